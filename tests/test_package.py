@@ -1,0 +1,71 @@
+"""Package-level checks that do not belong in the story: what a user gets from `pip install`."""
+import importlib, subprocess, sys, zipfile
+from configparser import ConfigParser
+from pathlib import Path
+
+import pytest
+import torch
+
+import selfattn_nbdev
+from selfattn_nbdev import SelfAttention
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def settings():
+    cfg = ConfigParser(delimiters=['='])
+    cfg.read(ROOT/'settings.ini')
+    return cfg['DEFAULT']
+
+
+def test_version_matches_settings():
+    assert selfattn_nbdev.__version__ == settings()['version']
+
+
+def test_public_names_exported():
+    for name in selfattn_nbdev.__all__:
+        assert hasattr(selfattn_nbdev, name), name
+    assert 'SelfAttention' in selfattn_nbdev.__all__
+
+
+def test_runtime_dependency_is_torch_only():
+    assert settings()['requirements'].split() == ['torch>=2.1']
+
+
+def test_modules_import_nothing_but_torch_and_stdlib():
+    "The package must not import the notebook tools (nbdev, fastcore, matplotlib) at run time."
+    code = ("import sys, selfattn_nbdev; "
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in {'nbdev','fastcore','matplotlib','execnb','numpy_financial'}); "
+            "print(','.join(bad))")
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == '', f'imported at run time: {out}'
+
+
+def test_module_index_covers_exports():
+    from selfattn_nbdev._modidx import d
+    syms = d['syms']
+    assert 'selfattn_nbdev.core.SelfAttention' in syms['selfattn_nbdev.core']
+
+
+def test_self_attention_shapes_and_dtype():
+    torch.manual_seed(0)
+    layer = SelfAttention(4, 3)
+    assert layer(torch.rand(5, 4)).shape == (5, 3)
+    assert layer(torch.rand(2, 5, 4)).shape == (2, 5, 3)
+    layer64 = layer.double()
+    assert layer64(torch.rand(5, 4, dtype=torch.float64)).dtype == torch.float64
+
+
+@pytest.mark.slow
+def test_wheel_contains_modules_and_modidx(tmp_path):
+    "Build a wheel from the working tree and look inside."
+    res = subprocess.run([sys.executable, '-m', 'pip', 'wheel', '--no-deps', '--no-build-isolation', '-q', '-w', str(tmp_path), str(ROOT)],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    wheel, = tmp_path.glob('selfattn_nbdev-*.whl')
+    names = zipfile.ZipFile(wheel).namelist()
+    for mod in ['__init__.py', '_modidx.py', 'core.py']:
+        assert f'selfattn_nbdev/{mod}' in names
+    meta = next(n for n in names if n.endswith('METADATA'))
+    requires = [l for l in zipfile.ZipFile(wheel).read(meta).decode().splitlines() if l.startswith('Requires-Dist:') and 'extra ==' not in l]
+    assert requires == ['Requires-Dist: torch>=2.1'], requires

@@ -1,0 +1,178 @@
+"""Build the documentation site and README.md from the notebooks in `nbs/`.
+
+    python tools/docs.py site            # -> _docs/ (Quarto when `quarto` is on PATH, else smalldocs)
+    python tools/docs.py readme          # -> README.md (+ index_files/) from nbs/index.ipynb
+    python tools/docs.py readme --check  # exit 1 when README.md is not what the notebook renders to
+    python tools/docs.py check           # smalldocs' link check over the processed notebooks
+    python tools/docs.py preview         # serve the site on localhost and rebuild it on change
+
+The pre-processing is nbdev's own (`_quarto.yml`/`nbdev.yml` refresh, module index, sidebar, `proc_nbs`),
+called through its Python API so that nothing tries to download and install Quarto.
+"""
+import argparse, base64, json, os, re, shutil, subprocess, sys
+from pathlib import Path
+
+from nbdev.config import get_config
+from nbdev.quarto import nbdev_sidebar, refresh_quarto_yml
+from nbdev.serve import proc_nbs
+import nbdev.doclinks
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def preprocess() -> Path:
+    "Run nbdev's docs pre-processing and return the folder of processed notebooks (`_proc/`)."
+    os.chdir(ROOT)
+    refresh_quarto_yml()
+    nbdev.doclinks._build_modidx()
+    nbdev_sidebar.__wrapped__()
+    return proc_nbs(force=True, n_workers=0)
+
+
+def _output_file(nb: Path) -> str | None:
+    "The `output-file` that nbdev wrote into a processed notebook's front matter."
+    cells = json.loads(nb.read_text())['cells']
+    m = re.search(r'^output-file:\s*(\S+)', ''.join(cells[0]['source']), re.M) if cells else None
+    return m.group(1) if m else None
+
+
+def smalldocs_names(proc: Path) -> None:
+    """Give each processed notebook the name of its page, as Quarto's `output-file` does.
+
+    nbdev names pages after their notebook without its number prefix (`00_core.ipynb` -> `core.html`), and its
+    doc links point there. Quarto reads that from `output-file`; smalldocs does not, so rename the files."""
+    sidebar = proc/'sidebar.yml'
+    text = sidebar.read_text()
+    for nb in sorted(proc.rglob('*.ipynb')):
+        out = _output_file(nb)
+        if not out: continue
+        new = nb.with_name(Path(out).with_suffix('.ipynb').name)
+        if new != nb:
+            nb.rename(new)
+            text = re.sub(rf'(?<![\w/]){re.escape(nb.relative_to(proc).as_posix())}\b', new.relative_to(proc).as_posix(), text)
+    sidebar.write_text(text)
+
+
+def render(proc: Path) -> str:
+    "Render the processed notebooks into `_docs/`; return the renderer's name."
+    cfg = get_config()
+    out = proc/cfg.doc_path.name
+    shutil.rmtree(out, ignore_errors=True)
+    if shutil.which('quarto'):
+        subprocess.run(['quarto', 'render', '--no-cache'], cwd=proc, check=True)
+        renderer = 'quarto'
+    else:
+        smalldocs_names(proc)
+        subprocess.run([sys.executable, '-m', 'smalldocs.cli', 'render', str(proc)], check=True)
+        renderer = 'smalldocs'
+    shutil.rmtree(cfg.doc_path, ignore_errors=True)
+    shutil.move(str(out), str(cfg.doc_path))
+    return renderer
+
+
+def site() -> None:
+    renderer = render(preprocess())
+    pages = sorted(p.name for p in (ROOT/'_docs').glob('*.html'))
+    print(f"site built with {renderer}: {len(pages)} pages in _docs/ ({', '.join(pages)})")
+    print(f"open {ROOT/'_docs'/'index.html'}  (or run `make preview`)")
+
+
+def check() -> int:
+    "smalldocs' broken-link check over the processed notebooks, under the page names the site uses."
+    proc = preprocess()
+    smalldocs_names(proc)
+    res = subprocess.run([sys.executable, '-m', 'smalldocs.cli', 'check', str(proc)], capture_output=True, text=True)
+    report = (res.stdout + res.stderr).strip()
+    broken = [l for l in report.splitlines() if 'broken' in l or 'error' in l.lower()]
+    print(report or 'smalldocs check: nothing to report')
+    print(f"smalldocs check: {len(broken)} broken link(s)")
+    return 1 if broken else 0
+
+
+# ---- README.md ---------------------------------------------------------------------------------------------
+
+def _cell_options(src: str) -> tuple[dict, list[str]]:
+    "Split a code cell into its `#|` options and its code lines."
+    lines, opts = src.split('\n'), {}
+    while lines and lines[0].startswith('#|'):
+        key, _, val = lines.pop(0)[2:].strip().partition(':')
+        opts[key.strip()] = val.strip().strip('"') if val.strip() else True
+    return opts, lines
+
+
+def _text(x) -> str: return ''.join(x) if isinstance(x, list) else x
+
+
+def readme_markdown(nb_path: Path, doc_url: str) -> tuple[str, dict[str, bytes]]:
+    """Render a notebook as GitHub Markdown: what the site shows, minus hidden cells and `#|` directives.
+
+    Returns the Markdown and the images it links to (path -> bytes). Links to other pages of the site
+    (`core.html`) become absolute links to the published site, so they work on GitHub and PyPI."""
+    nb = json.loads(nb_path.read_text())
+    parts, images = ['<!-- WARNING: THIS FILE WAS AUTOGENERATED FROM nbs/index.ipynb! DO NOT EDIT! -->'], {}
+    for i, cell in enumerate(nb['cells']):
+        src = _text(cell['source'])
+        if cell['cell_type'] == 'markdown':
+            md = re.sub(r'\]\((?!https?:|#)([\w/-]+\.html)(#[\w-]*)?\)', lambda m: f"]({doc_url}/{m.group(1)}{m.group(2) or ''})", src)
+            parts.append(md.strip())
+            continue
+        if cell['cell_type'] != 'code': continue
+        opts, lines = _cell_options(src)
+        if opts.get('hide') or opts.get('include') == 'false' or 'default_exp' in opts: continue
+        code = '\n'.join(lines).strip()
+        if code and opts.get('echo') != 'false': parts.append(f"```python\n{code}\n```")
+        for j, out in enumerate(cell.get('outputs', [])):
+            if out['output_type'] == 'stream': parts.append('```\n' + _text(out['text']).rstrip() + '\n```')
+            data = out.get('data', {})
+            if 'image/png' in data:
+                path = f"index_files/figure-commonmark/cell-{i}-output-{j}.png"
+                images[path] = base64.b64decode(_text(data['image/png']))
+                alt = opts.get('fig-alt', opts.get('fig-cap', 'figure'))
+                parts.append(f'![{alt}]({path})')
+                if 'fig-cap' in opts: parts.append(f"*{opts['fig-cap']}*")
+            elif 'text/markdown' in data: parts.append(_text(data['text/markdown']).strip())
+            elif 'text/plain' in data: parts.append('```\n' + _text(data['text/plain']).rstrip() + '\n```')
+    return '\n\n'.join(parts) + '\n', images
+
+
+def readme(check_only: bool = False) -> int:
+    cfg = get_config()
+    md, images = readme_markdown(cfg.nbs_path/cfg.readme_nb, f"{cfg.doc_host}{cfg.doc_baseurl}".rstrip('/'))
+    readme_path, img_dir = ROOT/'README.md', ROOT/'index_files'
+    if check_only:
+        stale = [] if readme_path.exists() and readme_path.read_text() == md else ['README.md']
+        have = {p.relative_to(ROOT).as_posix() for p in img_dir.rglob('*.png')} if img_dir.exists() else set()
+        stale += sorted(have ^ set(images)) + [p for p in images if p in have and (ROOT/p).read_bytes() != images[p]]
+        if stale:
+            print(f"README is stale ({', '.join(stale)}): run `make readme` and commit the result")
+            return 1
+        print("README.md matches nbs/index.ipynb")
+        return 0
+    shutil.rmtree(img_dir, ignore_errors=True)
+    for p, data in images.items():
+        (ROOT/p).parent.mkdir(parents=True, exist_ok=True)
+        (ROOT/p).write_bytes(data)
+    readme_path.write_text(md)
+    print(f"wrote README.md ({len(md.splitlines())} lines) and {len(images)} image(s) from nbs/{cfg.readme_nb}")
+    return 0
+
+
+def preview() -> None:
+    proc = preprocess()
+    if shutil.which('quarto'):
+        subprocess.run(['quarto', 'preview'], cwd=proc)
+    else:
+        smalldocs_names(proc)
+        subprocess.run([sys.executable, '-m', 'smalldocs.cli', 'preview', str(proc)])
+
+
+if __name__ == '__main__':
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument('cmd', choices=['site', 'readme', 'check', 'preview'])
+    ap.add_argument('--check', action='store_true', help='with readme: only report whether README.md is stale')
+    a = ap.parse_args()
+    os.chdir(ROOT)
+    if a.cmd == 'site': site()
+    elif a.cmd == 'readme': sys.exit(readme(a.check))
+    elif a.cmd == 'check': sys.exit(check())
+    else: preview()

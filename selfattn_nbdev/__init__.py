@@ -6,7 +6,7 @@ __version__ = "0.1.0"
 # %% auto #0
 __all__ = ['SelfAttention', 'check_tokens', 'check_size']
 
-# %% ../nbs/index.ipynb #06607cef
+# %% ../nbs/index.ipynb #28c355ed
 from .core import SelfAttention, check_tokens, check_size
 
 _all_ = ['SelfAttention', 'check_tokens', 'check_size']

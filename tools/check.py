@@ -4,8 +4,8 @@
     python tools/check.py --quick    # skip notebook cells flagged `#| slow`
 
 A check fails when: `nbdev_export` would change the package, `nbdev_clean` would change a notebook,
-README.md is not the render of nbs/index.ipynb, a notebook cell raises (`nbdev_test`), the site has a broken
-link, or pytest fails.
+README.md is not the render of nbs/index.ipynb, a notebook cell raises (`nbdev_test`), an output saved in a
+notebook is not what its code prints now, the site has a broken link, or pytest fails.
 """
 import argparse, filecmp, os, shutil, subprocess, sys, tempfile, time
 from pathlib import Path
@@ -69,6 +69,7 @@ def main() -> int:
         ('generated files in sync', check_sync),
         ('README.md is the render of nbs/index.ipynb', lambda: run(py, 'tools/docs.py', 'readme', '--check')),
         ('notebooks run (nbdev_test)', lambda: run(BIN/'nbdev_test', *([] if args.quick else ['--flags', 'slow']))),
+        ('saved outputs match fresh ones', lambda: run(py, 'tools/check_outputs.py')),
         ('site builds with no broken link', lambda: run(py, 'tools/docs.py', 'check')),
         ('pytest', lambda: run(py, '-m', 'pytest', '-q', 'tests')),
     ]

@@ -53,6 +53,34 @@ def smalldocs_names(proc: Path) -> None:
     sidebar.write_text(text)
 
 
+KATEX_CDN = re.compile(r'https://cdn\.jsdelivr\.net/npm/katex@([\d.]+)/dist')
+
+
+def vendor_katex(site_dir: Path) -> str:
+    """Serve KaTeX from the site itself, so its maths renders offline too.
+
+    smalldocs links KaTeX from a CDN. When `npm` is available, take the same version from the npm registry
+    (cached under .venv/), copy it into site_libs/katex and point the pages at it; otherwise leave the CDN."""
+    pages = [p for p in site_dir.rglob('*.html') if KATEX_CDN.search(p.read_text())]
+    if not pages: return 'no maths'
+    version = KATEX_CDN.search(pages[0].read_text()).group(1)
+    cache = ROOT/'.venv'/'cache'/f'katex-{version}'
+    if not (cache/'package'/'dist').exists():
+        if not shutil.which('npm'): return 'KaTeX from its CDN (npm not found)'
+        cache.mkdir(parents=True, exist_ok=True)
+        res = subprocess.run(['npm', 'pack', f'katex@{version}', '--silent'], cwd=cache, capture_output=True, text=True)
+        tgz = next(cache.glob('katex-*.tgz'), None)
+        if res.returncode or not tgz: return f'KaTeX from its CDN (npm pack failed: {res.stderr.strip()[:200]})'
+        shutil.unpack_archive(tgz, cache)
+    dest = site_dir/'site_libs'/'katex'
+    shutil.rmtree(dest, ignore_errors=True)
+    shutil.copytree(cache/'package'/'dist', dest, ignore=shutil.ignore_patterns('*.mjs', '*.ttf', '*.woff', 'katex.js', 'katex.css'))
+    for p in pages:
+        rel = os.path.relpath(dest, p.parent)
+        p.write_text(KATEX_CDN.sub(rel, p.read_text()))
+    return f'KaTeX {version} served from site_libs/katex'
+
+
 def render(proc: Path) -> str:
     "Render the processed notebooks into `_docs/`; return the renderer's name."
     cfg = get_config()
@@ -64,7 +92,7 @@ def render(proc: Path) -> str:
     else:
         smalldocs_names(proc)
         subprocess.run([sys.executable, '-m', 'smalldocs.cli', 'render', str(proc)], check=True)
-        renderer = 'smalldocs'
+        renderer = f'smalldocs ({vendor_katex(out)})'
     shutil.rmtree(cfg.doc_path, ignore_errors=True)
     shutil.move(str(out), str(cfg.doc_path))
     return renderer

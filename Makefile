@@ -34,16 +34,17 @@ test-quick: $(INSTALLED) ## the same, without notebook cells flagged slow
 preview: $(INSTALLED) ## serve the site on localhost and rebuild it on every change
 	$(PY) tools/docs.py preview
 
-export: $(INSTALLED) ## after editing notebooks: export the package, clean the notebooks, render README.md
-	$(BIN)/nbdev_export
+export: $(INSTALLED) ## after editing notebooks: clean them, export the package, render README.md
 	$(BIN)/nbdev_clean
+	$(BIN)/nbdev_export
 	$(PY) tools/docs.py readme
 
 readme: $(INSTALLED) ## render README.md from nbs/index.ipynb
 	$(PY) tools/docs.py readme
 
-hooks: $(INSTALLED) ## git hooks that clean notebooks on commit and merge them without conflicts in metadata
+hooks: $(INSTALLED) ## git hooks: clean notebooks on save and commit, keep the package in sync, merge notebooks
 	$(BIN)/nbdev_install_hooks
+	install -m 755 tools/pre-commit .git/hooks/pre-commit
 
 clean: ## remove built files (keeps .venv)
 	rm -rf _docs _proc build dist *.egg-info .pytest_cache

@@ -15,7 +15,7 @@ for key in 'lib_name version description author author_email git_url min_python 
     assert key in cfg, f'settings.ini is missing `{key}`'
 
 statuses = ['1 - Planning', '2 - Pre-Alpha', '3 - Alpha', '4 - Beta', '5 - Production/Stable', '6 - Mature', '7 - Inactive']
-py_versions = '3.9 3.10 3.11 3.12 3.13'.split()
+py_versions = '3.10 3.11 3.12 3.13 3.14'.split()
 min_python = cfg['min_python']
 
 requirements = cfg.get('requirements', '').split()

@@ -13,4 +13,7 @@ d = { 'settings': { 'branch': 'main',
                                      'selfattn_nbdev.core.SelfAttention.forward': ( 'core.html#selfattention.forward',
                                                                                     'selfattn_nbdev/core.py'),
                                      'selfattn_nbdev.core.check_size': ('core.html#check_size', 'selfattn_nbdev/core.py'),
-                                     'selfattn_nbdev.core.check_tokens': ('core.html#check_tokens', 'selfattn_nbdev/core.py')}}}
+                                     'selfattn_nbdev.core.check_tokens': ('core.html#check_tokens', 'selfattn_nbdev/core.py')},
+            'selfattn_nbdev.simple': { 'selfattn_nbdev.simple.simple_attention': ( 'simple.html#simple_attention',
+                                                                                   'selfattn_nbdev/simple.py'),
+                                       'selfattn_nbdev.simple.softmax_stable': ('simple.html#softmax_stable', 'selfattn_nbdev/simple.py')}}}

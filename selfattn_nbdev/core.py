@@ -5,38 +5,38 @@
 # %% auto #0
 __all__ = ['check_tokens', 'check_size', 'SelfAttention']
 
-# %% ../nbs/00_core.ipynb #81f2058f
+# %% ../nbs/00_core.ipynb #547ef4d7
 import math
 
 import torch
 from torch import Tensor, nn
 
-# %% ../nbs/00_core.ipynb #6e7ab2d6
+# %% ../nbs/00_core.ipynb #d242d426
 def check_tokens(
     x,          # the input of an attention module's `forward`
-    d_in:int,   # the embedding size the module was built for
+    d_in:int|None, # the embedding size the module was built for (`None`: any size)
     dtype=None, # the dtype of the module's weights; `x` must match it when given
     name:str='x', # how the error messages call `x`
 ) -> None:
     "Raise a clear error unless `x` is a floating tensor of shape `(num_tokens, d_in)` or `(batch, num_tokens, d_in)`."
     if not isinstance(x, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of shape (num_tokens, {d_in}) or (batch, num_tokens, {d_in}); got {type(x).__name__}")
+        raise TypeError(f"{name} must be a torch.Tensor of shape (num_tokens, d_in) or (batch, num_tokens, d_in); got {type(x).__name__}")
     if x.dim() not in (2, 3):
         raise ValueError(f"{name} must have 2 dims (num_tokens, d_in) or 3 dims (batch, num_tokens, d_in); got {x.dim()} dims with shape {tuple(x.shape)}")
-    if x.shape[-1] != d_in:
+    if d_in is not None and x.shape[-1] != d_in:
         raise ValueError(f"{name} must have last dimension d_in={d_in}; got shape {tuple(x.shape)} (last dimension {x.shape[-1]})")
     if not x.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor (float32, float64, bfloat16, ...); got dtype {x.dtype}")
     if dtype is not None and x.dtype != dtype:
         raise TypeError(f"{name} has dtype {x.dtype} but the module's weights are {dtype}; convert one of them, e.g. module.to({x.dtype}) or x.to({dtype})")
 
-# %% ../nbs/00_core.ipynb #86b5dc4a
+# %% ../nbs/00_core.ipynb #516b8128
 def check_size(value, name:str) -> None:
     "Raise a clear error unless `value` is a positive integer (a layer size such as `d_in`)."
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive integer; got {value!r}")
 
-# %% ../nbs/00_core.ipynb #74444b12
+# %% ../nbs/00_core.ipynb #8032d53b
 class SelfAttention(nn.Module):
     "Scaled dot-product self-attention with learned query, key and value matrices (no mask, no dropout)."
     def __init__(self,

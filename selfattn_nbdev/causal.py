@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['CausalAttention', 'leaks_future']
 
-# %% ../nbs/03_causal.ipynb #29270ffe
+# %% ../nbs/03_causal.ipynb #a0a9e3b1
 import math
 
 import torch
@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from .core import check_context, check_dropout, check_size, check_tokens
 
-# %% ../nbs/03_causal.ipynb #ca66975c
+# %% ../nbs/03_causal.ipynb #a07a5da0
 class CausalAttention(nn.Module):
     "Single-head causal self-attention: token i attends to tokens 1..i only, with dropout on the attention weights."
     def __init__(self,
@@ -53,7 +53,7 @@ class CausalAttention(nn.Module):
 
     def extra_repr(self): return f"d_in={self.d_in}, d_out={self.d_out}, context_length={self.context_length}"
 
-# %% ../nbs/03_causal.ipynb #dfc830f6
+# %% ../nbs/03_causal.ipynb #f2b6736c
 def leaks_future(
     module:nn.Module, # an attention module: (..., num_tokens, d_in) -> (..., num_tokens, d_out)
     x:Tensor, # an input, (..., num_tokens, d_in)

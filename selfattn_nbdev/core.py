@@ -5,13 +5,13 @@
 # %% auto #0
 __all__ = ['check_tokens', 'check_size', 'check_dropout', 'check_context', 'SelfAttention']
 
-# %% ../nbs/00_core.ipynb #008c4477
+# %% ../nbs/00_core.ipynb #4ce225bc
 import math
 
 import torch
 from torch import Tensor, nn
 
-# %% ../nbs/00_core.ipynb #5196e74c
+# %% ../nbs/00_core.ipynb #596fda96
 def check_tokens(
     x,          # the input of an attention module's `forward`
     d_in:int|None, # the embedding size the module was built for (`None`: any size)
@@ -30,13 +30,13 @@ def check_tokens(
     if dtype is not None and x.dtype != dtype:
         raise TypeError(f"{name} has dtype {x.dtype} but the module's weights are {dtype}; convert one of them, e.g. module.to({x.dtype}) or x.to({dtype})")
 
-# %% ../nbs/00_core.ipynb #47338e01
+# %% ../nbs/00_core.ipynb #16b69769
 def check_size(value, name:str) -> None:
     "Raise a clear error unless `value` is a positive integer (a layer size such as `d_in`)."
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive integer; got {value!r}")
 
-# %% ../nbs/00_core.ipynb #c452600b
+# %% ../nbs/00_core.ipynb #abca7e3a
 def check_dropout(p) -> None:
     "Raise a clear error unless `p` is a number in [0, 1) (a dropout probability)."
     if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
@@ -48,7 +48,7 @@ def check_context(num_tokens:int, context_length:int) -> None:
         raise ValueError(f"the input has {num_tokens} tokens but the module was built with context_length={context_length}; "
                          f"pass at most {context_length} tokens or build it with a larger context_length")
 
-# %% ../nbs/00_core.ipynb #ee09197d
+# %% ../nbs/00_core.ipynb #afaf23cf
 class SelfAttention(nn.Module):
     "Scaled dot-product self-attention with learned query, key and value matrices (no mask, no dropout)."
     def __init__(self,
@@ -64,7 +64,8 @@ class SelfAttention(nn.Module):
 
     def forward(self,
                 x:Tensor, # token embeddings, (num_tokens, d_in) or (batch, num_tokens, d_in)
-               ) -> Tensor: # context vectors, (..., num_tokens, d_out)
+                return_attn_weights:bool=False, # also return the attention weights, (..., num_tokens, num_tokens)
+               ) -> Tensor: # context vectors, (..., num_tokens, d_out) [and the attention weights]
         "One context vector per token: a softmax-weighted average of the values."
         check_tokens(x, self.d_in, self.W_query.dtype)
         queries = x @ self.W_query                        # (..., num_tokens, d_out)
@@ -72,6 +73,7 @@ class SelfAttention(nn.Module):
         values = x @ self.W_value                         # (..., num_tokens, d_out)
         attn_scores = queries @ keys.transpose(-2, -1)    # (..., num_tokens, num_tokens)
         attn_weights = torch.softmax(attn_scores / math.sqrt(keys.shape[-1]), dim=-1)
-        return attn_weights @ values                      # (..., num_tokens, d_out)
+        context_vecs = attn_weights @ values              # (..., num_tokens, d_out)
+        return (context_vecs, attn_weights) if return_attn_weights else context_vecs
 
     def extra_repr(self): return f"d_in={self.d_in}, d_out={self.d_out}"

@@ -5,13 +5,13 @@
 # %% auto #0
 __all__ = ['softmax_stable', 'simple_attention']
 
-# %% ../nbs/01_simple.ipynb #b038b4cb
+# %% ../nbs/01_simple.ipynb #d11ef4db
 import torch
 from torch import Tensor
 
 from .core import check_tokens
 
-# %% ../nbs/01_simple.ipynb #10d55d6a
+# %% ../nbs/01_simple.ipynb #d5d8baa1
 def softmax_stable(
     x:Tensor, # scores; any shape
     dim:int=-1, # the dimension along which the result sums to 1
@@ -20,7 +20,7 @@ def softmax_stable(
     exps = torch.exp(x - x.amax(dim=dim, keepdim=True))
     return exps / exps.sum(dim=dim, keepdim=True)
 
-# %% ../nbs/01_simple.ipynb #32f458ec
+# %% ../nbs/01_simple.ipynb #79f5a628
 def simple_attention(
     inputs:Tensor, # token embeddings, (num_tokens, d_in) or (batch, num_tokens, d_in)
     return_weights:bool=False, # also return the attention weights, (..., num_tokens, num_tokens)

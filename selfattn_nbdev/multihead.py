@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['check_heads', 'MultiHeadAttentionWrapper', 'MultiHeadAttention', 'to_torch_multihead']
 
-# %% ../nbs/04_multihead.ipynb #b22ecb63
+# %% ../nbs/04_multihead.ipynb #19504b79
 import math
 
 import torch
@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from .causal import CausalAttention
 from .core import check_context, check_dropout, check_size, check_tokens
 
-# %% ../nbs/04_multihead.ipynb #c5a7217c
+# %% ../nbs/04_multihead.ipynb #b475f99e
 def check_heads(d_out:int, num_heads:int) -> None:
     "Raise a clear error unless `num_heads` is a positive integer that divides `d_out`."
     check_size(num_heads, 'num_heads')
@@ -23,7 +23,7 @@ def check_heads(d_out:int, num_heads:int) -> None:
         raise ValueError(f"num_heads must divide d_out so that every head gets d_out // num_heads dimensions; "
                          f"got d_out={d_out}, num_heads={num_heads}")
 
-# %% ../nbs/04_multihead.ipynb #2a241710
+# %% ../nbs/04_multihead.ipynb #79344075
 class MultiHeadAttentionWrapper(nn.Module):
     "Causal multi-head attention as `num_heads` independent `CausalAttention` heads, concatenated."
     def __init__(self,
@@ -44,7 +44,7 @@ class MultiHeadAttentionWrapper(nn.Module):
                ) -> Tensor: # context vectors, (..., num_tokens, d_out)
         return torch.cat([head(x) for head in self.heads], dim=-1)  # h x (..., num_tokens, head_dim) -> (..., num_tokens, d_out)
 
-# %% ../nbs/04_multihead.ipynb #d9827b77
+# %% ../nbs/04_multihead.ipynb #e16be8b5
 def _blocked_mask(
     num_tokens:int, causal_mask:Tensor|None, key_padding_mask:Tensor|None, batch:int
 ) -> Tensor|None: # bool (batch or 1, 1, num_tokens, num_tokens), True = do not attend; None when nothing is blocked
@@ -56,7 +56,7 @@ def _blocked_mask(
         blocked = blocked.expand(batch, 1, num_tokens, num_tokens)
     return blocked
 
-# %% ../nbs/04_multihead.ipynb #e2a292da
+# %% ../nbs/04_multihead.ipynb #9cbbd415
 def _check_padding_mask(key_padding_mask, x:Tensor) -> None:
     "A key padding mask must be a bool tensor shaped like the input without its last dimension."
     if key_padding_mask is None: return
@@ -69,7 +69,7 @@ def _check_padding_mask(key_padding_mask, x:Tensor) -> None:
     if tuple(key_padding_mask.shape) != expected:
         raise ValueError(f"key_padding_mask must have shape {names} = {expected}; got {tuple(key_padding_mask.shape)}")
 
-# %% ../nbs/04_multihead.ipynb #988def88
+# %% ../nbs/04_multihead.ipynb #4600c529
 class MultiHeadAttention(nn.Module):
     "Multi-head (by default causal) self-attention: one projection split into heads, a fused fast path, and an explicit path that returns the weights."
     def __init__(self,
@@ -145,7 +145,7 @@ class MultiHeadAttention(nn.Module):
         return (f"d_in={self.d_in}, d_out={self.d_out}, context_length={self.context_length}, "
                 f"num_heads={self.num_heads}, causal={self.causal}")
 
-# %% ../nbs/04_multihead.ipynb #31c6c1b7
+# %% ../nbs/04_multihead.ipynb #d9b36f02
 def to_torch_multihead(
     m:MultiHeadAttention, # a module with d_in == d_out and a bias on its projections (qkv_bias=True)
 ) -> nn.MultiheadAttention: # PyTorch's module (batch_first=True) computing the same function

@@ -71,7 +71,8 @@ def main() -> int:
         ('notebooks run (nbdev_test)', lambda: run(BIN/'nbdev_test', *([] if args.quick else ['--flags', 'slow']))),
         ('saved outputs match fresh ones', lambda: run(py, 'tools/check_outputs.py')),
         ('site builds with no broken link', lambda: run(py, 'tools/docs.py', 'check')),
-        ('pytest', lambda: run(py, '-m', 'pytest', '-q', 'tests')),
+        ('pytest (line coverage of the package >= 95 %)',
+         lambda: run(py, '-m', 'pytest', '-q', 'tests', '--cov=selfattn_nbdev', '--cov-report=term', '--cov-fail-under=95')),
     ]
     results = []
     for name, step in steps:

@@ -1,0 +1,61 @@
+"""Shared fixtures: every exported attention module behind one interface, and a recorder of the largest
+differences found against PyTorch's kernels (printed at the end of the run)."""
+from collections import defaultdict
+
+import pytest
+import torch
+
+from selfattn_nbdev import (CausalAttention, MultiHeadAttention, MultiHeadAttentionWrapper, SelfAttention,
+                            SelfAttentionV1, SelfAttentionV2)
+
+MAX_DIFFS = defaultdict(float)  # (what, against) -> largest absolute difference seen
+
+
+@pytest.fixture
+def record_diff():
+    "Call with (what, against, a, b): records max |a - b| and returns it."
+    def record(what, against, a, b):
+        d = (a - b).abs().max().item() if a.numel() else 0.0
+        MAX_DIFFS[what, against] = max(MAX_DIFFS[what, against], d)
+        return d
+    return record
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not MAX_DIFFS: return
+    terminalreporter.section('largest absolute differences against PyTorch (float64)')
+    for (what, against), d in sorted(MAX_DIFFS.items()):
+        terminalreporter.write_line(f'{what:<28} vs {against:<28} {d:.2e}')
+
+
+class ExplicitMHA(torch.nn.Module):
+    "MultiHeadAttention forced through its explicit path (the one that returns the weights)."
+    def __init__(self, *args, **kwargs):
+        super().__init__()
+        self.m = MultiHeadAttention(*args, **kwargs)
+    def forward(self, x, key_padding_mask=None):
+        return self.m(x, key_padding_mask=key_padding_mask, return_attn_weights=True)[0]
+
+
+# name -> (factory(d_in, d_out, context_length, num_heads, dropout), causal?)
+FACTORIES = {
+    'SelfAttention':             (lambda d_in, d_out, T, h, p: SelfAttention(d_in, d_out), False),
+    'SelfAttentionV1':           (lambda d_in, d_out, T, h, p: SelfAttentionV1(d_in, d_out), False),
+    'SelfAttentionV2':           (lambda d_in, d_out, T, h, p: SelfAttentionV2(d_in, d_out, qkv_bias=True), False),
+    'CausalAttention':           (lambda d_in, d_out, T, h, p: CausalAttention(d_in, d_out, T, dropout=p, qkv_bias=True), True),
+    'MultiHeadAttentionWrapper': (lambda d_in, d_out, T, h, p: MultiHeadAttentionWrapper(d_in, d_out, T, dropout=p, num_heads=h, qkv_bias=True), True),
+    'MultiHeadAttention':        (lambda d_in, d_out, T, h, p: MultiHeadAttention(d_in, d_out, T, dropout=p, num_heads=h, qkv_bias=True), True),
+    'MultiHeadAttention(explicit)': (lambda d_in, d_out, T, h, p: ExplicitMHA(d_in, d_out, T, dropout=p, num_heads=h, qkv_bias=True), True),
+    'MultiHeadAttention(causal=False)': (lambda d_in, d_out, T, h, p: MultiHeadAttention(d_in, d_out, T, dropout=p, num_heads=h, qkv_bias=True, causal=False), False),
+}
+CAUSAL = [n for n, (_, c) in FACTORIES.items() if c]
+NON_CAUSAL = [n for n, (_, c) in FACTORIES.items() if not c]
+WITH_DROPOUT = ['CausalAttention', 'MultiHeadAttentionWrapper', 'MultiHeadAttention', 'MultiHeadAttention(explicit)',
+                'MultiHeadAttention(causal=False)']
+
+
+def make(name, d_in=3, d_out=4, context_length=8, num_heads=2, dropout=0.0, dtype=torch.float64, seed=0):
+    "Build module `name` with a fixed seed, in `dtype`, in eval mode."
+    torch.manual_seed(seed)
+    factory, _ = FACTORIES[name]
+    return factory(d_in, d_out, context_length, num_heads, dropout).to(dtype).eval()

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['check_heads', 'MultiHeadAttentionWrapper', 'MultiHeadAttention', 'to_torch_multihead']
 
-# %% ../nbs/04_multihead.ipynb #19504b79
+# %% ../nbs/04_multihead.ipynb #3c5fb0e9
 import math
 
 import torch
@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from .causal import CausalAttention
 from .core import check_context, check_dropout, check_size, check_tokens
 
-# %% ../nbs/04_multihead.ipynb #b475f99e
+# %% ../nbs/04_multihead.ipynb #1176acd3
 def check_heads(d_out:int, num_heads:int) -> None:
     "Raise a clear error unless `num_heads` is a positive integer that divides `d_out`."
     check_size(num_heads, 'num_heads')
@@ -23,7 +23,7 @@ def check_heads(d_out:int, num_heads:int) -> None:
         raise ValueError(f"num_heads must divide d_out so that every head gets d_out // num_heads dimensions; "
                          f"got d_out={d_out}, num_heads={num_heads}")
 
-# %% ../nbs/04_multihead.ipynb #79344075
+# %% ../nbs/04_multihead.ipynb #1809c1ea
 class MultiHeadAttentionWrapper(nn.Module):
     "Causal multi-head attention as `num_heads` independent `CausalAttention` heads, concatenated."
     def __init__(self,
@@ -44,7 +44,7 @@ class MultiHeadAttentionWrapper(nn.Module):
                ) -> Tensor: # context vectors, (..., num_tokens, d_out)
         return torch.cat([head(x) for head in self.heads], dim=-1)  # h x (..., num_tokens, head_dim) -> (..., num_tokens, d_out)
 
-# %% ../nbs/04_multihead.ipynb #e16be8b5
+# %% ../nbs/04_multihead.ipynb #7c5c1e65
 def _blocked_mask(
     num_tokens:int, causal_mask:Tensor|None, key_padding_mask:Tensor|None, batch:int
 ) -> Tensor|None: # bool (batch or 1, 1, num_tokens, num_tokens), True = do not attend; None when nothing is blocked
@@ -56,7 +56,7 @@ def _blocked_mask(
         blocked = blocked.expand(batch, 1, num_tokens, num_tokens)
     return blocked
 
-# %% ../nbs/04_multihead.ipynb #9cbbd415
+# %% ../nbs/04_multihead.ipynb #baed4011
 def _check_padding_mask(key_padding_mask, x:Tensor) -> None:
     "A key padding mask must be a bool tensor shaped like the input without its last dimension."
     if key_padding_mask is None: return
@@ -69,7 +69,7 @@ def _check_padding_mask(key_padding_mask, x:Tensor) -> None:
     if tuple(key_padding_mask.shape) != expected:
         raise ValueError(f"key_padding_mask must have shape {names} = {expected}; got {tuple(key_padding_mask.shape)}")
 
-# %% ../nbs/04_multihead.ipynb #4600c529
+# %% ../nbs/04_multihead.ipynb #1c9960f3
 class MultiHeadAttention(nn.Module):
     "Multi-head (by default causal) self-attention: one projection split into heads, a fused fast path, and an explicit path that returns the weights."
     def __init__(self,
@@ -116,22 +116,22 @@ class MultiHeadAttention(nn.Module):
         queries = self._split_heads(self.W_query(x))                             # (b, num_heads, num_tokens, head_dim)
         keys = self._split_heads(self.W_key(x))
         values = self._split_heads(self.W_value(x))
-        blocked = _blocked_mask(num_tokens, self.mask if self.causal else None, key_padding_mask, b)
-        dead = None if key_padding_mask is None else blocked.all(dim=-1, keepdim=True)  # (b, 1, num_tokens, 1): no key left
-        if dead is not None: blocked = blocked & ~dead                           # let those rows attend; zeroed below
+        dropout_p = self.dropout.p if self.training else 0.0
 
-        if return_attn_weights:
-            attn_scores = queries @ keys.transpose(2, 3)                         # (b, num_heads, num_tokens, num_tokens)
-            if blocked is not None: attn_scores = attn_scores.masked_fill(blocked, -torch.inf)
-            attn_weights = torch.softmax(attn_scores / math.sqrt(self.head_dim), dim=-1)
-            if dead is not None: attn_weights = attn_weights.masked_fill(dead, 0.0)
-            attn_weights = self.dropout(attn_weights)
-            context = attn_weights @ values                                      # (b, num_heads, num_tokens, head_dim)
+        if key_padding_mask is None and not return_attn_weights:  # fast path, no mask to build: the kernel masks itself
+            context = F.scaled_dot_product_attention(queries, keys, values, dropout_p=dropout_p, is_causal=self.causal)
         else:
-            dropout_p = self.dropout.p if self.training else 0.0
-            if key_padding_mask is None:   # causal or no mask at all: the fused kernel's own masking
-                context = F.scaled_dot_product_attention(queries, keys, values, dropout_p=dropout_p, is_causal=self.causal)
-            else:                          # SDPA's boolean mask means True = attend
+            blocked = _blocked_mask(num_tokens, self.mask if self.causal else None, key_padding_mask, b)
+            dead = None if key_padding_mask is None else blocked.all(dim=-1, keepdim=True)  # (b, 1, num_tokens, 1): no key left
+            if dead is not None: blocked = blocked & ~dead                       # let those rows attend; zeroed below
+            if return_attn_weights:                                              # explicit path
+                attn_scores = queries @ keys.transpose(2, 3)                     # (b, num_heads, num_tokens, num_tokens)
+                if blocked is not None: attn_scores = attn_scores.masked_fill(blocked, -torch.inf)
+                attn_weights = torch.softmax(attn_scores / math.sqrt(self.head_dim), dim=-1)
+                if dead is not None: attn_weights = attn_weights.masked_fill(dead, 0.0)
+                attn_weights = self.dropout(attn_weights)
+                context = attn_weights @ values                                  # (b, num_heads, num_tokens, head_dim)
+            else:                                                                # fast path; SDPA's bool mask: True = attend
                 context = F.scaled_dot_product_attention(queries, keys, values, attn_mask=~blocked, dropout_p=dropout_p)
             if dead is not None: context = context.masked_fill(dead, 0.0)
 
@@ -145,7 +145,7 @@ class MultiHeadAttention(nn.Module):
         return (f"d_in={self.d_in}, d_out={self.d_out}, context_length={self.context_length}, "
                 f"num_heads={self.num_heads}, causal={self.causal}")
 
-# %% ../nbs/04_multihead.ipynb #d9b36f02
+# %% ../nbs/04_multihead.ipynb #dbd683b0
 def to_torch_multihead(
     m:MultiHeadAttention, # a module with d_in == d_out and a bias on its projections (qkv_bias=True)
 ) -> nn.MultiheadAttention: # PyTorch's module (batch_first=True) computing the same function

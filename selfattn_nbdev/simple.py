@@ -5,27 +5,27 @@
 # %% auto #0
 __all__ = ['softmax_stable', 'simple_attention']
 
-# %% ../nbs/01_simple.ipynb #d11ef4db
+# %% ../nbs/01_simple.ipynb #ff19ffb9
 import torch
 from torch import Tensor
 
 from .core import check_tokens
 
-# %% ../nbs/01_simple.ipynb #d5d8baa1
+# %% ../nbs/01_simple.ipynb #da8a324e
 def softmax_stable(
-    x:Tensor, # scores; any shape
-    dim:int=-1, # the dimension along which the result sums to 1
-) -> Tensor: # weights: positive, summing to 1 along `dim`, same shape as `x`
-    "Softmax computed as `exp(x - max) / sum(exp(x - max))`, which cannot overflow."
+    x:Tensor, # scores, any shape; `-inf` entries get weight 0
+    dim:int=-1, # the dimension along which the weights sum to 1
+) -> Tensor: # weights: non-negative, summing to 1 along `dim`, same shape as `x`
+    "Softmax computed as `exp(x - max) / sum(exp(x - max))`, which neither overflows nor divides by zero."
     exps = torch.exp(x - x.amax(dim=dim, keepdim=True))
     return exps / exps.sum(dim=dim, keepdim=True)
 
-# %% ../nbs/01_simple.ipynb #79f5a628
+# %% ../nbs/01_simple.ipynb #3b80114b
 def simple_attention(
     inputs:Tensor, # token embeddings, (num_tokens, d_in) or (batch, num_tokens, d_in)
     return_weights:bool=False, # also return the attention weights, (..., num_tokens, num_tokens)
-) -> Tensor: # context vectors, same shape as `inputs` (and the weights if asked)
-    "Self-attention with no trainable weights: every token is a query, a key and a value."
+) -> Tensor: # context vectors, same shape as `inputs` (and the attention weights if asked)
+    "Self-attention with no trainable weights: each token's embedding serves as its query, key and value."
     check_tokens(inputs, d_in=None, name='inputs')
     attn_scores = inputs @ inputs.transpose(-2, -1)  # (..., num_tokens, num_tokens)
     attn_weights = torch.softmax(attn_scores, dim=-1)

@@ -10,7 +10,7 @@ PIP_OPTS ?=
 INSTALLED := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help install docs test test-quick preview export readme hooks clean
+.PHONY: help install docs test test-quick test-site bench run preview export readme hooks clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -30,6 +30,16 @@ test: $(INSTALLED) ## every check: sync, README, notebooks (incl. slow), site li
 
 test-quick: $(INSTALLED) ## the same, without notebook cells flagged slow
 	$(PY) tools/check.py --quick
+
+test-site: $(INSTALLED) ## build the site, serve it on 127.0.0.1 and walk every page in headless Chromium
+	$(PY) tools/walk_site.py --build
+
+bench: $(INSTALLED) ## time and measure the attention paths against PyTorch's (~10 min); refreshes the Performance page
+	$(PY) bench/benchmark.py
+	$(PY) tools/run_notebook.py nbs/06_performance.ipynb
+
+run: $(INSTALLED) ## run notebooks and save their outputs: make run NB="nbs/03_causal.ipynb nbs/04_multihead.ipynb"
+	$(PY) tools/run_notebook.py $(NB)
 
 preview: $(INSTALLED) ## serve the site on localhost and rebuild it on every change
 	$(PY) tools/docs.py preview

@@ -13,12 +13,13 @@ d_in = d_out = 256, 4 heads, no dropout) at every num_tokens T:
 - `torch_mha`: `nn.MultiheadAttention(batch_first=True)` with a causal mask and `need_weights=False`.
 
 All share one set of weights and are first checked against `reference` on a small input (abort if any is off
-by more than 1e-5). Timing alternates the implementations inside every repetition (rotating the order) after a
+by more than 1e-5). Timing alternates the implementations inside every repetition (in a new random order each time, so that
+none always runs after the same neighbour, whose freed memory or cache state it would inherit) after a
 warm-up, with the thread count pinned; each implementation's ratio to `reference` is taken repetition by
 repetition, so machine noise affects both sides of a ratio alike. Peak extra memory of one forward is measured
 in a fresh process per implementation and T (the highest rise of the resident set size during the call).
 """
-import argparse, json, math, os, platform, statistics, subprocess, sys, time
+import argparse, json, math, os, platform, random, statistics, subprocess, sys, time
 from pathlib import Path
 
 import torch
@@ -101,8 +102,10 @@ def time_all(T: int, reps: int, backward: bool, warmup: int) -> dict:
     times = {name: [] for name in IMPLS}
     for _ in range(warmup):
         for name in IMPLS: _time(impls[name], x, backward)
+    shuffle = random.Random(T).shuffle
     for rep in range(reps):
-        order = IMPLS[rep % len(IMPLS):] + IMPLS[:rep % len(IMPLS)]  # rotate who goes first
+        order = list(IMPLS)
+        shuffle(order)  # a new order every repetition: no implementation always follows the same one
         for name in order:
             for p in params: p.grad = None
             x.grad = None

@@ -1,0 +1,208 @@
+"""Walk the built site in a real browser (headless Chromium driven by Playwright) and check what a reader gets.
+
+    python tools/walk_site.py [--site _docs] [--build] [--chromium /usr/bin/chromium]
+
+For every page in the sidebar, at 1280 px and at a 390 px phone width:
+- it loads, with no JavaScript error of its own (failed requests to other hosts are listed, not failed);
+- every internal link resolves to a page of the site, and every #anchor to an element on that page
+  (links to the published site's own URL count as internal: nbdev writes its API links that way);
+- every image has loaded (naturalWidth > 0);
+- its maths is typeset (KaTeX or MathJax elements present, no raw \\( \\) left in the text);
+- on the phone width, the body does not scroll sideways;
+- a full-page screenshot is saved under _artifacts/screenshots/.
+Then: every API entry of the module index (selfattn_nbdev/_modidx.py) resolves to an element on its page,
+and the site search finds "softmax" and "causal" with results linking to the pages that teach them.
+The last line is `site: N passed, M failed`; the exit code is 1 on any failure.
+"""
+import argparse, http.server, importlib.util, json, os, re, socketserver, subprocess, sys, threading, time
+from functools import partial
+from pathlib import Path
+from urllib.parse import urldefrag, urljoin, urlparse
+
+ROOT = Path(__file__).resolve().parents[1]
+WIDTHS = {'desktop': 1280, 'phone': 390}
+SEARCHES = {'softmax': {'simple.html', 'trainable.html'}, 'causal': {'causal.html'}}  # query -> pages a result must include
+CHROMIUM_ARGS = ['--no-sandbox', '--disable-gpu', '--no-first-run', '--disable-background-networking',
+                 '--disable-component-update', '--disable-sync', '--disable-dev-shm-usage']
+
+
+class Report:
+    def __init__(self): self.passed, self.failures, self.notes, self.counts = 0, [], [], {}
+    def check(self, ok: bool, what: str):
+        if ok: self.passed += 1
+        else: self.failures.append(what); print(f'  FAIL {what}', flush=True)
+        return ok
+    def count(self, key, n=1): self.counts[key] = self.counts.get(key, 0) + n
+
+
+def serve(site: Path):
+    "Serve `site` on 127.0.0.1 on a free port in a background thread; return (server, base url)."
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args): pass
+    handler = partial(Quiet, directory=str(site))
+    server = socketserver.ThreadingTCPServer(('127.0.0.1', 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f'http://127.0.0.1:{server.server_address[1]}/'
+
+
+def published_url() -> str:
+    "The site's published address (settings.ini doc_host + doc_baseurl): links to it are internal links."
+    from configparser import ConfigParser
+    cfg = ConfigParser(delimiters=['=']); cfg.read(ROOT/'settings.ini')
+    c = cfg['DEFAULT']
+    host = c['doc_host'].replace('%(user)s', c['user'])
+    base = c['doc_baseurl'].replace('%(repo)s', c['repo'])
+    return host.rstrip('/') + '/' + base.strip('/') + '/'
+
+
+def api_entries() -> dict[str, str]:
+    "Symbol -> 'page.html#anchor' for every exported name of every module (its `__all__`), from nbdev's index."
+    import importlib
+    spec = importlib.util.spec_from_file_location('_modidx', ROOT/'selfattn_nbdev'/'_modidx.py')
+    mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
+    entries = {}
+    for module, syms in mod.d['syms'].items():
+        for name in importlib.import_module(module).__all__:
+            link = syms.get(f'{module}.{name}', (None,))[0]
+            if link: entries[f'{module}.{name}'] = link
+    return entries
+
+
+PAGE_FACTS = """() => {
+  const links = [...document.querySelectorAll('a[href]')].map(a => a.href);
+  const images = [...document.querySelectorAll('img')].map(i => ({src: i.currentSrc || i.src, w: i.naturalWidth, ok: i.complete}));
+  const ids = [...document.querySelectorAll('[id]')].map(e => e.id);
+  const math = document.querySelectorAll('.katex, mjx-container, .MathJax').length;
+  const text = document.querySelector('main, #quarto-document-content, body').innerText;
+  const rawMath = (text.match(/\\\\\\(|\\\\\\[|\\$\\$/g) || []).length;
+  const sidebar = [...document.querySelectorAll('#quarto-sidebar a.sidebar-link, #quarto-sidebar a[href], nav.sidebar a[href]')].map(a => a.href);
+  return {links, images, ids, math, rawMath, sidebar, scrollWidth: document.documentElement.scrollWidth,
+          innerWidth: window.innerWidth, title: document.title};
+}"""
+
+
+def walk(site: Path, chromium: str) -> int:
+    from playwright.sync_api import sync_playwright
+    rep, shots = Report(), ROOT/'_artifacts'/'screenshots'
+    shots.mkdir(parents=True, exist_ok=True)
+    server, base = serve(site)
+    published = published_url()
+    t0 = time.time()
+
+    def local(url: str) -> str | None:
+        "The local URL for a link into the site, or None for a link elsewhere."
+        if url.startswith(published): url = base + url[len(published):]
+        return url if url.startswith(base) else None
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
+        facts, external = {}, set()
+        pages = ['index.html']
+        for width_name, width in WIDTHS.items():
+            ctx = browser.new_context(viewport={'width': width, 'height': 900}, device_scale_factor=1)
+            ctx.route('**/*', lambda route: route.continue_() if route.request.url.startswith(base)
+                      else (external.add(route.request.url), route.abort())[1])
+            i = 0
+            while i < len(pages):
+                name = pages[i]; i += 1
+                page = ctx.new_page()
+                errors = []
+                page.on('pageerror', lambda e: errors.append(str(e)))
+                page.on('console', lambda m: errors.append(m.text) if m.type == 'error' and 'net::ERR' not in m.text
+                        and 'Failed to load resource' not in m.text else None)
+                resp = page.goto(base + name, wait_until='networkidle')
+                page.wait_for_timeout(300)
+                f = page.evaluate(PAGE_FACTS)
+                rep.check(resp is not None and resp.ok, f'{name}: loads (HTTP {resp.status if resp else "no response"})')
+                rep.check(not errors, f'{name} [{width_name}]: no JavaScript error (got {errors[:3]})')
+                if width_name == 'desktop':
+                    facts[name] = f
+                    for link in f['sidebar']:
+                        target = local(link)
+                        if target:
+                            pname = urldefrag(target)[0][len(base):] or 'index.html'
+                            if pname.endswith('.html') and pname not in pages: pages.append(pname)
+                    rep.check(f['math'] > 0, f'{name}: maths is typeset ({f["math"]} typeset elements)')
+                    rep.check(f['rawMath'] == 0, f'{name}: no raw TeX delimiters left in the text (found {f["rawMath"]})')
+                    for img in f['images']:
+                        rep.count('images')
+                        rep.check(img['w'] > 0, f'{name}: image loads: {img["src"][:80]} (naturalWidth {img["w"]})')
+                else:
+                    rep.check(f['scrollWidth'] <= f['innerWidth'] + 1,
+                              f'{name} [phone]: no sideways scroll (scrollWidth {f["scrollWidth"]} > {f["innerWidth"]})')
+                page.screenshot(path=str(shots/f'{Path(name).stem}-{width_name}.png'), full_page=True)
+                rep.count('screenshots')
+                page.close()
+            ctx.close()
+        rep.counts['pages'] = len(pages)
+
+        # links and anchors, against the ids collected from every page
+        ids = {name: set(f['ids']) for name, f in facts.items()}
+        for name, f in facts.items():
+            for link in f['links']:
+                target = local(link)
+                if not target: continue
+                url, anchor = urldefrag(target)
+                pname = url[len(base):] or 'index.html'
+                rep.count('links')
+                if pname not in ids:
+                    exists = (site/pname).exists()
+                    rep.check(exists, f'{name}: link to {pname} resolves')
+                    if not exists or not pname.endswith('.html'): continue
+                    continue
+                if anchor:
+                    rep.count('anchors')
+                    rep.check(anchor in ids[pname], f'{name}: anchor {pname}#{anchor} exists')
+
+        for sym, link in api_entries().items():
+            pname, anchor = link.split('#')
+            rep.count('api entries')
+            rep.check(pname in ids and anchor in ids[pname], f'API entry {sym} -> {link} is on the site')
+
+        # the site search, as a reader uses it
+        ctx = browser.new_context(viewport={'width': 1280, 'height': 900})
+        ctx.route('**/*', lambda route: route.continue_() if route.request.url.startswith(base) else route.abort())
+        page = ctx.new_page()
+        page.goto(base + 'index.html', wait_until='networkidle')
+        for query, expected in SEARCHES.items():
+            rep.count('searches')
+            box = page.locator('input[type=search]:visible, .aa-Input:visible').first
+            if not box.count():
+                page.locator('#quarto-search button, .aa-DetachedSearchButton, #quarto-search').first.click()
+                box = page.locator('.aa-Input:visible, input[type=search]:visible').first
+            box.fill(query)
+            page.wait_for_timeout(800)
+            hrefs = page.evaluate("""() => [...document.querySelectorAll(
+                '.smalldocs-search-results a[href], .aa-Panel a[href], .aa-List a[href], #quarto-search-results a[href]')]
+                .map(a => a.href)""")
+            found = {urldefrag(h)[0].rsplit('/', 1)[-1] for h in hrefs}
+            rep.check(bool(hrefs), f'search "{query}" returns results')
+            rep.check(expected <= found, f'search "{query}" links to {sorted(expected)} (got {sorted(found)[:8]})')
+            for h in hrefs:
+                url, anchor = urldefrag(local(h) or h)
+                pname = url[len(base):] if url.startswith(base) else None
+                rep.check(pname in ids and (not anchor or anchor in ids[pname]), f'search result {h} resolves')
+            box.fill('')
+        ctx.close()
+        browser.close()
+    server.shutdown()
+
+    print(f"\npages walked: {rep.counts.get('pages', 0)} (x{len(WIDTHS)} widths); links checked: {rep.counts.get('links', 0)}; "
+          f"anchors: {rep.counts.get('anchors', 0)}; images: {rep.counts.get('images', 0)}; "
+          f"API entries: {rep.counts.get('api entries', 0)}; searches: {rep.counts.get('searches', 0)}; "
+          f"screenshots: {rep.counts.get('screenshots', 0)} in {shots.relative_to(ROOT)}/; {time.time() - t0:.1f}s")
+    if external: print(f'requests to other hosts, blocked and excepted ({len(external)}): ' + ', '.join(sorted({urlparse(u).netloc for u in external})))
+    for f in rep.failures: print(f'FAILED: {f}')
+    print(f'site: {rep.passed} passed, {len(rep.failures)} failed')
+    return 1 if rep.failures else 0
+
+
+if __name__ == '__main__':
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument('--site', default=str(ROOT/'_docs'))
+    ap.add_argument('--build', action='store_true', help='build the site first (tools/docs.py site)')
+    ap.add_argument('--chromium', default=os.environ.get('CHROMIUM', '/usr/bin/chromium'))
+    a = ap.parse_args()
+    if a.build: subprocess.run([sys.executable, str(ROOT/'tools'/'docs.py'), 'site'], check=True)
+    if not Path(a.chromium).exists(): sys.exit(f'no Chromium at {a.chromium}: apt-get install chromium, or pass --chromium PATH')
+    sys.exit(walk(Path(a.site), a.chromium))

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['SelfAttentionV1', 'SelfAttentionV2']
 
-# %% ../nbs/02_trainable.ipynb #c31869f8
+# %% ../nbs/02_trainable.ipynb #9d3dd158
 import math
 
 import torch
@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from .core import check_size, check_tokens
 
-# %% ../nbs/02_trainable.ipynb #ef131ddf
+# %% ../nbs/02_trainable.ipynb #23b707fc
 class SelfAttentionV1(nn.Module):
     "Scaled dot-product self-attention with `nn.Parameter` weight matrices drawn from U[0, 1)."
     def __init__(self,
@@ -38,7 +38,7 @@ class SelfAttentionV1(nn.Module):
         attn_weights = torch.softmax(attn_scores / math.sqrt(keys.shape[-1]), dim=-1)
         return attn_weights @ values                    # (..., num_tokens, d_out)
 
-# %% ../nbs/02_trainable.ipynb #400307f0
+# %% ../nbs/02_trainable.ipynb #9147d61e
 class SelfAttentionV2(nn.Module):
     "Scaled dot-product self-attention with `nn.Linear` projections (PyTorch's default initialisation)."
     def __init__(self,

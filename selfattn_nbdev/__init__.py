@@ -8,7 +8,7 @@ __all__ = ['SelfAttention', 'check_tokens', 'check_size', 'check_dropout', 'chec
            'SelfAttentionV1', 'SelfAttentionV2', 'CausalAttention', 'leaks_future', 'MultiHeadAttentionWrapper',
            'MultiHeadAttention', 'to_torch_multihead']
 
-# %% ../nbs/index.ipynb #f7696530
+# %% ../nbs/index.ipynb #e26eca70
 from .core import SelfAttention, check_tokens, check_size, check_dropout, check_context
 from .simple import softmax_stable, simple_attention
 from .trainable import SelfAttentionV1, SelfAttentionV2

@@ -5,40 +5,19 @@
 # %% auto #0
 __all__ = ['SelfAttentionV1', 'SelfAttentionV2']
 
-# %% ../nbs/02_trainable.ipynb #9d3dd158
+# %% ../nbs/02_trainable.ipynb #a4789885
 import math
 
 import torch
 from torch import Tensor, nn
 
-from .core import check_size, check_tokens
+from .core import SelfAttention, check_size, check_tokens
 
-# %% ../nbs/02_trainable.ipynb #23b707fc
-class SelfAttentionV1(nn.Module):
-    "Scaled dot-product self-attention with `nn.Parameter` weight matrices drawn from U[0, 1)."
-    def __init__(self,
-                 d_in:int,  # size of each input token embedding
-                 d_out:int, # size of each query, key, value and output vector
-                ):
-        super().__init__()
-        check_size(d_in, 'd_in'); check_size(d_out, 'd_out')
-        self.d_in, self.d_out = d_in, d_out
-        self.W_query = nn.Parameter(torch.rand(d_in, d_out))
-        self.W_key = nn.Parameter(torch.rand(d_in, d_out))
-        self.W_value = nn.Parameter(torch.rand(d_in, d_out))
+# %% ../nbs/02_trainable.ipynb #703fccd0
+class SelfAttentionV1(SelfAttention):
+    "Scaled dot-product self-attention with `nn.Parameter` weight matrices drawn from U[0, 1) (the `SelfAttention` of Core)."
 
-    def forward(self,
-                x:Tensor, # token embeddings, (num_tokens, d_in) or (batch, num_tokens, d_in)
-               ) -> Tensor: # context vectors, (..., num_tokens, d_out)
-        check_tokens(x, self.d_in, self.W_query.dtype)
-        queries = x @ self.W_query                      # (..., num_tokens, d_out)
-        keys = x @ self.W_key
-        values = x @ self.W_value
-        attn_scores = queries @ keys.transpose(-2, -1)  # (..., num_tokens, num_tokens)
-        attn_weights = torch.softmax(attn_scores / math.sqrt(keys.shape[-1]), dim=-1)
-        return attn_weights @ values                    # (..., num_tokens, d_out)
-
-# %% ../nbs/02_trainable.ipynb #9147d61e
+# %% ../nbs/02_trainable.ipynb #ad494cf5
 class SelfAttentionV2(nn.Module):
     "Scaled dot-product self-attention with `nn.Linear` projections (PyTorch's default initialisation)."
     def __init__(self,

@@ -9,7 +9,7 @@
 The pre-processing is nbdev's own (`_quarto.yml`/`nbdev.yml` refresh, module index, sidebar, `proc_nbs`),
 called through its Python API so that nothing tries to download and install Quarto.
 """
-import argparse, base64, json, os, re, shutil, subprocess, sys
+import argparse, base64, json, os, re, shutil, signal, subprocess, sys, time
 from pathlib import Path
 
 from nbdev.config import get_config
@@ -20,13 +20,13 @@ import nbdev.doclinks
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def preprocess() -> Path:
-    "Run nbdev's docs pre-processing and return the folder of processed notebooks (`_proc/`)."
+def preprocess(force: bool = True) -> Path:
+    "Run nbdev's docs pre-processing and return the folder of processed notebooks (`_proc/`); `force`: from scratch."
     os.chdir(ROOT)
     refresh_quarto_yml()
     nbdev.doclinks._build_modidx()
     nbdev_sidebar.__wrapped__()
-    return proc_nbs(force=True, n_workers=0)
+    return proc_nbs(force=force, n_workers=0)
 
 
 def _output_file(nb: Path) -> str | None:
@@ -185,13 +185,39 @@ def readme(check_only: bool = False) -> int:
     return 0
 
 
-def preview() -> None:
-    proc = preprocess()
-    if shutil.which('quarto'):
-        subprocess.run(['quarto', 'preview'], cwd=proc)
-    else:
-        smalldocs_names(proc)
-        subprocess.run([sys.executable, '-m', 'smalldocs.cli', 'preview', str(proc)])
+def _source_state() -> dict:
+    "Modification times of everything the site is made from."
+    cfg = get_config()
+    generated = {'sidebar.yml', 'nbdev.yml'}  # rewritten by every refresh, from the notebooks and settings.ini
+    files = [p for p in cfg.nbs_path.rglob('*') if p.is_file() and not p.name.startswith('.') and p.name not in generated]
+    return {p: p.stat().st_mtime for p in files + [cfg.config_file]}
+
+
+def preview(poll: float = 1.0) -> None:
+    """Serve the site on localhost and rebuild it whenever a notebook (or anything in nbs/) changes.
+
+    The renderer's own preview watches the processed copies in _proc/; this loop watches nbs/ and re-runs nbdev's
+    processing into _proc/ on every change, which the renderer then picks up."""
+    def refresh(force=False):  # in place: the server keeps serving from _proc/
+        proc = preprocess(force)
+        if not shutil.which('quarto'): smalldocs_names(proc)
+        return proc
+    proc = refresh(force=True)
+    cmd = ['quarto', 'preview'] if shutil.which('quarto') else [sys.executable, '-m', 'smalldocs.cli', 'preview', str(proc)]
+    server = subprocess.Popen(cmd, cwd=proc)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # stop the server too when we are stopped
+    state = _source_state()
+    try:
+        while server.poll() is None:
+            time.sleep(poll)
+            now = _source_state()
+            if now != state:
+                state = now
+                print('nbs/ changed: processing the notebooks again', flush=True)
+                try: refresh()
+                except Exception as e: print(f'processing failed: {e}', flush=True)
+    except KeyboardInterrupt: pass
+    finally: server.terminate()
 
 
 if __name__ == '__main__':

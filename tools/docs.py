@@ -47,6 +47,9 @@ def smalldocs_names(proc: Path) -> None:
         out = _output_file(nb)
         if not out: continue
         new = nb.with_name(Path(out).with_suffix('.ipynb').name)
+        data = json.loads(nb.read_text())  # drop the key smalldocs would warn about: the file name now says it
+        data['cells'][0]['source'] = re.sub(r'^output-file:.*\n?', '', ''.join(data['cells'][0]['source']), flags=re.M)
+        nb.write_text(json.dumps(data))
         if new != nb:
             nb.rename(new)
             text = re.sub(rf'(?<![\w/]){re.escape(nb.relative_to(proc).as_posix())}\b', new.relative_to(proc).as_posix(), text)

@@ -26,7 +26,9 @@ def preprocess(force: bool = True) -> Path:
     refresh_quarto_yml()
     nbdev.doclinks._build_modidx()
     nbdev_sidebar.__wrapped__()
-    return proc_nbs(force=force, n_workers=0)
+    proc = proc_nbs(force=force, n_workers=0)
+    (get_config().nbs_path/'sidebar.yml').unlink(missing_ok=True)  # generated; its copy in _proc/ is the one used
+    return proc
 
 
 def _output_file(nb: Path) -> str | None:

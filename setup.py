@@ -22,11 +22,15 @@ requirements = cfg.get('requirements', '').split()
 dev_requirements = cfg.get('dev_requirements', '').split()
 lib_path = cfg['lib_path']
 
+# README's pictures are stored beside it (index_files/); PyPI needs absolute addresses for them.
+raw = f"https://raw.githubusercontent.com/{cfg['user']}/{cfg['repo']}/{cfg['branch']}/"
+long_description = open('README.md', encoding='utf-8').read().replace('](index_files/', '](' + raw + 'index_files/')
+
 setuptools.setup(
     name=cfg['lib_name'],
     version=cfg['version'],
     description=cfg['description'],
-    long_description=open('README.md', encoding='utf-8').read(),
+    long_description=long_description,
     long_description_content_type='text/markdown',
     keywords=cfg['keywords'].split(),
     license='Apache-2.0',

@@ -69,3 +69,5 @@ def test_wheel_contains_modules_and_modidx(tmp_path):
     meta = next(n for n in names if n.endswith('METADATA'))
     requires = [l for l in zipfile.ZipFile(wheel).read(meta).decode().splitlines() if l.startswith('Requires-Dist:') and 'extra ==' not in l]
     assert requires == ['Requires-Dist: torch>=2.1'], requires
+    description = zipfile.ZipFile(wheel).read(meta).decode()
+    assert '](index_files/' not in description and '](https://raw.githubusercontent.com/' in description  # pictures work on PyPI

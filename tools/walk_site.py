@@ -68,7 +68,7 @@ def api_entries() -> dict[str, str]:
     return entries
 
 
-PAGE_FACTS = """() => {
+PAGE_FACTS = """(VIEWPORT) => {
   const links = [...document.querySelectorAll('a[href]')].map(a => a.href);
   const images = [...document.querySelectorAll('img')].map(i => ({src: i.currentSrc || i.src, w: i.naturalWidth, ok: i.complete}));
   const ids = [...document.querySelectorAll('[id]')].map(e => e.id);
@@ -76,8 +76,16 @@ PAGE_FACTS = """() => {
   const text = document.querySelector('main, #quarto-document-content, body').innerText;
   const rawMath = (text.match(/\\\\\\(|\\\\\\[|\\$\\$/g) || []).length;
   const sidebar = [...document.querySelectorAll('#quarto-sidebar a.sidebar-link, #quarto-sidebar a[href], nav.sidebar a[href]')].map(a => a.href);
+  // Content wider than the viewport that no scroll box of its own holds: a parent with overflow clip/hidden would
+  // cut it off silently (smalldocs' #quarto-content clips), so the body's scrollWidth alone cannot tell.
+  const scrolls = el => { for (let a = el.parentElement; a && a !== document.body; a = a.parentElement) {
+      const o = getComputedStyle(a).overflowX; if (o === 'auto' || o === 'scroll') return true; } return false; };
+  const cutOff = [...document.querySelectorAll('main *, #quarto-document-content *')]
+    .filter(e => { const r = e.getBoundingClientRect(); return e instanceof HTMLElement && r.width > 0 && r.right > VIEWPORT + 1 && !scrolls(e)
+                    && !e.closest('.katex-mathml, mjx-assistive-mml, .visually-hidden'); })  // screen-reader copies are clipped on purpose; SVG parts are clipped by their own viewBox
+    .slice(0, 3).map(e => e.tagName.toLowerCase() + (e.className && typeof e.className === 'string' ? '.' + e.className.split(' ')[0] : ''));
   return {links, images, ids, math, rawMath, sidebar, scrollWidth: document.documentElement.scrollWidth,
-          innerWidth: window.innerWidth, title: document.title};
+          innerWidth: window.innerWidth, title: document.title, cutOff};
 }"""
 
 
@@ -113,7 +121,7 @@ def walk(site: Path, chromium: str) -> int:
                         and 'Failed to load resource' not in m.text else None)
                 resp = page.goto(base + name, wait_until='networkidle')
                 page.wait_for_timeout(300)
-                f = page.evaluate(PAGE_FACTS)
+                f = page.evaluate(PAGE_FACTS, width)
                 rep.check(resp is not None and resp.ok, f'{name}: loads (HTTP {resp.status if resp else "no response"})')
                 rep.check(not errors, f'{name} [{width_name}]: no JavaScript error (got {errors[:3]})')
                 if width_name == 'desktop':
@@ -129,8 +137,9 @@ def walk(site: Path, chromium: str) -> int:
                         rep.count('images')
                         rep.check(img['w'] > 0, f'{name}: image loads: {img["src"][:80]} (naturalWidth {img["w"]})')
                 else:
-                    rep.check(f['scrollWidth'] <= f['innerWidth'] + 1,
-                              f'{name} [phone]: no sideways scroll (scrollWidth {f["scrollWidth"]} > {f["innerWidth"]})')
+                    rep.check(f['scrollWidth'] <= width + 1,
+                              f'{name} [phone]: no sideways scroll (scrollWidth {f["scrollWidth"]} > {width})')
+                    rep.check(not f['cutOff'], f'{name} [phone]: nothing wider than {width} px outside a scroll box (found {f["cutOff"]})')
                 page.screenshot(path=str(shots/f'{Path(name).stem}-{width_name}.png'), full_page=True)
                 rep.count('screenshots')
                 page.close()

@@ -9,10 +9,10 @@ __all__ = ['SelfAttention', 'check_tokens', 'check_size', 'check_dropout', 'chec
            'MultiHeadAttention', 'to_torch_multihead']
 
 # %% ../nbs/index.ipynb #e26eca70
-from .core import SelfAttention, check_tokens, check_size, check_dropout, check_context
+from .core import SelfAttention, check_tokens, check_size
 from .simple import softmax_stable, simple_attention
 from .trainable import SelfAttentionV1, SelfAttentionV2
-from .causal import CausalAttention, leaks_future
+from .causal import check_dropout, check_context, CausalAttention, leaks_future
 from .multihead import MultiHeadAttentionWrapper, MultiHeadAttention, to_torch_multihead
 
 _all_ = ['SelfAttention', 'check_tokens', 'check_size', 'check_dropout', 'check_context',

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .causal import CausalAttention
-from .core import check_context, check_dropout, check_size, check_tokens
+from .core import check_size, check_tokens
+from .causal import check_context, check_dropout
 
 # %% ../nbs/04_multihead.ipynb #1176acd3
 def check_heads(d_out:int, num_heads:int) -> None:

@@ -13,8 +13,10 @@ from .core import SelfAttention, check_tokens, check_size
 from .simple import softmax_stable, simple_attention
 from .trainable import SelfAttentionV1, SelfAttentionV2
 from .causal import check_dropout, check_context, CausalAttention, leaks_future
-from .multihead import MultiHeadAttentionWrapper, MultiHeadAttention, to_torch_multihead
+from .multihead import (MultiHeadAttentionWrapper, MultiHeadAttention,
+                                      to_torch_multihead)
 
 _all_ = ['SelfAttention', 'check_tokens', 'check_size', 'check_dropout', 'check_context',
          'softmax_stable', 'simple_attention', 'SelfAttentionV1', 'SelfAttentionV2',
-         'CausalAttention', 'leaks_future', 'MultiHeadAttentionWrapper', 'MultiHeadAttention', 'to_torch_multihead']
+         'CausalAttention', 'leaks_future', 'MultiHeadAttentionWrapper', 'MultiHeadAttention',
+         'to_torch_multihead']

@@ -13,35 +13,46 @@ from torch import Tensor, nn
 
 # %% ../nbs/00_core.ipynb #596fda96
 def check_tokens(
-    x,          # the input of an attention module's `forward`
-    d_in:int|None, # the embedding size the module was built for (`None`: any size)
-    dtype=None, # the dtype of the module's weights; `x` must match it when given
-    name:str='x', # how the error messages call `x`
+    x,              # the input of an attention module's `forward`
+    d_in:int|None,  # the embedding size the module was built for (`None`: any)
+    dtype=None,     # the dtype of the module's weights; `x` must have it too
+    name:str='x',   # how the error messages call `x`
 ) -> None:
-    "Raise a clear error unless `x` is a floating tensor of shape `(num_tokens, d_in)` or `(batch, num_tokens, d_in)`."
+    "Check that `x` is a float tensor `(num_tokens, d_in)` or `(b, num_tokens, d_in)`."
+    shapes = "(num_tokens, d_in) or (batch, num_tokens, d_in)"
     if not isinstance(x, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of shape (num_tokens, d_in) or (batch, num_tokens, d_in); got {type(x).__name__}")
+        raise TypeError(f"{name} must be a torch.Tensor of shape {shapes}; "
+                        f"got {type(x).__name__}")
     if x.dim() not in (2, 3):
-        raise ValueError(f"{name} must have 2 dims (num_tokens, d_in) or 3 dims (batch, num_tokens, d_in); got {x.dim()} dims with shape {tuple(x.shape)}")
+        raise ValueError(f"{name} must have 2 dims (num_tokens, d_in) or 3 dims "
+                         f"(batch, num_tokens, d_in); got {x.dim()} dims "
+                         f"with shape {tuple(x.shape)}")
     if d_in is not None and x.shape[-1] != d_in:
-        raise ValueError(f"{name} must have last dimension d_in={d_in}; got shape {tuple(x.shape)} (last dimension {x.shape[-1]})")
+        raise ValueError(f"{name} must have last dimension d_in={d_in}; got shape "
+                         f"{tuple(x.shape)} (last dimension {x.shape[-1]})")
     if not x.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point tensor (float32, float64, bfloat16, ...); got dtype {x.dtype}")
+        raise TypeError(f"{name} must be a floating-point tensor (float32, float64, "
+                        f"bfloat16, ...); got dtype {x.dtype}")
     if dtype is not None and x.dtype != dtype:
-        raise TypeError(f"{name} has dtype {x.dtype} but the module's weights are {dtype}; convert one of them, e.g. module.to({x.dtype}) or x.to({dtype})")
+        raise TypeError(f"{name} has dtype {x.dtype} but the module's weights are "
+                        f"{dtype}; convert one of them, e.g. module.to({x.dtype}) "
+                        f"or x.to({dtype})")
 
 # %% ../nbs/00_core.ipynb #16b69769
-def check_size(value, name:str) -> None:
-    "Raise a clear error unless `value` is a positive integer (a layer size such as `d_in`)."
+def check_size(
+    value,     # the size given, e.g. the `d_in` argument of a module
+    name:str,  # how the error message calls it
+) -> None:
+    "Check that `value` is a positive integer (a layer size, e.g. `d_in`)."
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive integer; got {value!r}")
 
 # %% ../nbs/00_core.ipynb #afaf23cf
 class SelfAttention(nn.Module):
-    "Scaled dot-product self-attention with learned query, key and value matrices (no mask, no dropout)."
+    "Scaled dot-product self-attention with learned query, key and value matrices."
     def __init__(self,
-                 d_in:int,  # size of each input token embedding
-                 d_out:int, # size of each query, key, value and output vector (d_k = d_out)
+                 d_in:int,   # size of each input token embedding
+                 d_out:int,  # size of each query, key, value and output (d_k = d_out)
                 ):
         super().__init__()
         check_size(d_in, 'd_in'); check_size(d_out, 'd_out')
@@ -51,17 +62,19 @@ class SelfAttention(nn.Module):
         self.W_value = nn.Parameter(torch.rand(d_in, d_out))
 
     def forward(self,
-                x:Tensor, # token embeddings, (num_tokens, d_in) or (batch, num_tokens, d_in)
-                return_attn_weights:bool=False, # also return the attention weights, (..., num_tokens, num_tokens)
-               ) -> Tensor: # context vectors, (..., num_tokens, d_out) [and the attention weights]
+                x:Tensor, # token embeddings (num_tokens, d_in) or (b, num_tokens, d_in)
+                return_attn_weights:bool=False,  # also return the weights (..., T, T)
+               ) -> Tensor:  # context vectors (..., num_tokens, d_out) [, weights]
         "One context vector per token: a softmax-weighted average of the values."
         check_tokens(x, self.d_in, self.W_query.dtype)
-        queries = x @ self.W_query                        # (..., num_tokens, d_out)
-        keys = x @ self.W_key                             # (..., num_tokens, d_out)
-        values = x @ self.W_value                         # (..., num_tokens, d_out)
-        attn_scores = queries @ keys.transpose(-2, -1)    # (..., num_tokens, num_tokens)
+        queries = x @ self.W_query                      # (..., num_tokens, d_out)
+        keys = x @ self.W_key                           # (..., num_tokens, d_out)
+        values = x @ self.W_value                       # (..., num_tokens, d_out)
+        attn_scores = queries @ keys.transpose(-2, -1)  # (..., num_tokens, num_tokens)
         attn_weights = torch.softmax(attn_scores / math.sqrt(keys.shape[-1]), dim=-1)
-        context_vecs = attn_weights @ values              # (..., num_tokens, d_out)
+        context_vecs = attn_weights @ values            # (..., num_tokens, d_out)
         return (context_vecs, attn_weights) if return_attn_weights else context_vecs
 
-    def extra_repr(self): return f"d_in={self.d_in}, d_out={self.d_out}"
+    def extra_repr(self) -> str:
+        "The sizes, shown by `print(module)`."
+        return f"d_in={self.d_in}, d_out={self.d_out}"

@@ -86,6 +86,22 @@ def vendor_katex(site_dir: Path) -> str:
     return f'KaTeX {version} served from site_libs/katex'
 
 
+def local_links(site_dir: Path) -> str:
+    """Point the site's links to its own pages at the local files.
+
+    nbdev writes its API cross-links as absolute addresses of the published site (settings.ini `doc_host` +
+    `doc_baseurl`), so a local build would send the reader to the web. Every page sits at the top of the site,
+    so a page's own name is the right relative link, online and offline alike."""
+    cfg = get_config()
+    published = f"{cfg.doc_host}{cfg.doc_baseurl}".rstrip('/') + '/'
+    link = re.compile(r'(<a\b[^>]*?\bhref=")' + re.escape(published) + r'([\w.-]*\.html)?')  # anchors only
+    n = 0
+    for page in site_dir.rglob('*.html'):
+        text, k = link.subn(lambda m: m.group(1) + (m.group(2) or 'index.html'), page.read_text())
+        if k: page.write_text(text); n += k
+    return f'{n} links to the published site made local'
+
+
 def render(proc: Path) -> str:
     "Render the processed notebooks into `_docs/`; return the renderer's name."
     cfg = get_config()
@@ -97,7 +113,8 @@ def render(proc: Path) -> str:
     else:
         smalldocs_names(proc)
         subprocess.run([sys.executable, '-m', 'smalldocs.cli', 'render', str(proc)], check=True)
-        renderer = f'smalldocs ({vendor_katex(out)})'
+        renderer = 'smalldocs'
+    renderer += f' ({vendor_katex(out)}; {local_links(out)})'
     shutil.rmtree(cfg.doc_path, ignore_errors=True)
     shutil.move(str(out), str(cfg.doc_path))
     return renderer

@@ -8,7 +8,9 @@ For every page in the sidebar, at 1280 px and at a 390 px phone width:
   (links to the published site's own URL count as internal: nbdev writes its API links that way);
 - every image has loaded (naturalWidth > 0);
 - its maths is typeset (KaTeX or MathJax elements present, no raw \\( \\) left in the text);
-- on the phone width, the body does not scroll sideways;
+- at 1280 px, no code block or output is wider than its box (its text would be cut off until scrolled);
+  it has previous/next links at the bottom, and no link to the site's own pages leaves the local build;
+- on the phone width, the body does not scroll sideways and nothing outside a scroll box is wider than it;
 - a full-page screenshot is saved under _artifacts/screenshots/.
 Then: every API entry of the module index (selfattn_nbdev/_modidx.py) resolves to an element on its page,
 and the site search finds "softmax" and "causal" with results linking to the pages that teach them.
@@ -84,8 +86,14 @@ PAGE_FACTS = """(VIEWPORT) => {
     .filter(e => { const r = e.getBoundingClientRect(); return e instanceof HTMLElement && r.width > 0 && r.right > VIEWPORT + 1 && !scrolls(e)
                     && !e.closest('.katex-mathml, mjx-assistive-mml, .visually-hidden'); })  // screen-reader copies are clipped on purpose; SVG parts are clipped by their own viewBox
     .slice(0, 3).map(e => e.tagName.toLowerCase() + (e.className && typeof e.className === 'string' ? '.' + e.className.split(' ')[0] : ''));
+  // Code blocks and outputs whose text is wider than their box (clipped until scrolled); folded ones are skipped.
+  const boxes = [...document.querySelectorAll('main pre, #quarto-document-content pre')].filter(e => e.clientWidth > 0);
+  const clipped = boxes.filter(e => e.scrollWidth > e.clientWidth + 1)
+    .map(e => `${e.scrollWidth}>${e.clientWidth}px: ${e.innerText.split('\\n').sort((a, b) => b.length - a.length)[0].slice(0, 60)}`);
+  const widestCode = Math.max(0, ...boxes.map(e => e.scrollWidth));
+  const pageNav = document.querySelectorAll('nav.page-navigation a[href]').length;
   return {links, images, ids, math, rawMath, sidebar, scrollWidth: document.documentElement.scrollWidth,
-          innerWidth: window.innerWidth, title: document.title, cutOff};
+          innerWidth: window.innerWidth, title: document.title, cutOff, clipped, widestCode, pageNav};
 }"""
 
 
@@ -104,7 +112,7 @@ def walk(site: Path, chromium: str) -> int:
 
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
-        facts, external = {}, set()
+        facts, external, widths = {}, set(), {}
         pages = ['index.html']
         for width_name, width in WIDTHS.items():
             ctx = browser.new_context(viewport={'width': width, 'height': 900}, device_scale_factor=1)
@@ -132,11 +140,18 @@ def walk(site: Path, chromium: str) -> int:
                             pname = urldefrag(target)[0][len(base):] or 'index.html'
                             if pname.endswith('.html') and pname not in pages: pages.append(pname)
                     rep.check(f['math'] > 0, f'{name}: maths is typeset ({f["math"]} typeset elements)')
+                    rep.check(not f['clipped'], f'{name}: no code block or output wider than its box at {width} px '
+                                                f'(found {len(f["clipped"])}: {f["clipped"][:2]})')
+                    rep.check(f['pageNav'] >= 1, f'{name}: has previous/next links at the bottom')
+                    own = [l for l in f['links'] if l.startswith(published)]
+                    rep.check(not own, f'{name}: links to its own site stay local (found {own[:2]})')
                     rep.check(f['rawMath'] == 0, f'{name}: no raw TeX delimiters left in the text (found {f["rawMath"]})')
                     for img in f['images']:
                         rep.count('images')
                         rep.check(img['w'] > 0, f'{name}: image loads: {img["src"][:80]} (naturalWidth {img["w"]})')
+                    widths[name] = [f['widestCode'], None]
                 else:
+                    widths.setdefault(name, [None, None])[1] = f['scrollWidth']
                     rep.check(f['scrollWidth'] <= width + 1,
                               f'{name} [phone]: no sideways scroll (scrollWidth {f["scrollWidth"]} > {width})')
                     rep.check(not f['cutOff'], f'{name} [phone]: nothing wider than {width} px outside a scroll box (found {f["cutOff"]})')
@@ -184,6 +199,7 @@ def walk(site: Path, chromium: str) -> int:
             hrefs = page.evaluate("""() => [...document.querySelectorAll(
                 '.smalldocs-search-results a[href], .aa-Panel a[href], .aa-List a[href], #quarto-search-results a[href]')]
                 .map(a => a.href)""")
+            hrefs = [h.split('?')[0] + ('#' + h.split('#', 1)[1] if '#' in h else '') for h in hrefs]  # Quarto adds ?q=
             found = {urldefrag(h)[0].rsplit('/', 1)[-1] for h in hrefs}
             rep.check(bool(hrefs), f'search "{query}" returns results')
             rep.check(expected <= found, f'search "{query}" links to {sorted(expected)} (got {sorted(found)[:8]})')
@@ -196,6 +212,8 @@ def walk(site: Path, chromium: str) -> int:
         browser.close()
     server.shutdown()
 
+    print('\npage                widest code block at 1280 px   page width at 390 px')
+    for name, (code, phone) in widths.items(): print(f'{name:<20}{code!s:>10} px{phone!s:>26} px')
     print(f"\npages walked: {rep.counts.get('pages', 0)} (x{len(WIDTHS)} widths); links checked: {rep.counts.get('links', 0)}; "
           f"anchors: {rep.counts.get('anchors', 0)}; images: {rep.counts.get('images', 0)}; "
           f"API entries: {rep.counts.get('api entries', 0)}; searches: {rep.counts.get('searches', 0)}; "

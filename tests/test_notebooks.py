@@ -1,0 +1,89 @@
+"""What every page of the site promises its reader, checked on the notebooks themselves.
+
+The notebooks run as tests elsewhere (`nbdev_test`); these tests check their shape: the code is shown and fits its
+box, every story page ends with what it built and with exercises whose solutions check themselves, every figure
+has a caption and alt text, and no public method leaves the site to show PyTorch's inherited docstring."""
+import importlib, inspect, json, re
+from pathlib import Path
+
+import pytest
+from torch import nn
+
+import selfattn_nbdev
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT/'nbs').glob('*.ipynb'))
+# The landing page (also the README) stays short and hands over to Core; the benchmark page measures, it builds nothing.
+STORY = [p for p in NOTEBOOKS if p.stem not in ('index', '06_performance')]
+MAX_LINE = 88  # an 88-character line fits the text column at 1280 px (checked in the browser by tools/walk_site.py)
+
+
+def cells(path: Path, kind: str = 'code') -> list[str]:
+    return [''.join(c['source']) for c in json.loads(path.read_text())['cells'] if c['cell_type'] == kind]
+
+
+def options(src: str) -> dict:
+    "A cell's `#|` options."
+    out = {}
+    for line in src.splitlines():
+        if not line.startswith('#|'): break
+        key, _, val = line[2:].strip().partition(':')
+        out[key.strip()] = val.strip().strip('"')
+    return out
+
+
+@pytest.mark.parametrize('nb', NOTEBOOKS, ids=lambda p: p.stem)
+def test_code_lines_fit_the_page(nb):
+    shown = [src for src in cells(nb) if 'hide' not in options(src)]  # `#|` lines are options, not shown code
+    long = [(i, line) for i, src in enumerate(shown) for line in src.splitlines()
+            if len(line) > MAX_LINE and not line.startswith('#|')]
+    assert not long, f'{nb.name}: {len(long)} code line(s) longer than {MAX_LINE} characters, e.g. cell {long[0]}'
+
+
+@pytest.mark.parametrize('nb', NOTEBOOKS, ids=lambda p: p.stem)
+def test_exported_code_is_shown(nb):
+    hidden = [src.splitlines()[1] for src in cells(nb)
+              if options(src).keys() & {'export'} and 'hide' not in options(src)]
+    assert not hidden, f'{nb.name}: `#| export` hides the source on the site; use `#| exports`: {hidden}'
+
+
+@pytest.mark.parametrize('nb', NOTEBOOKS, ids=lambda p: p.stem)
+def test_figures_have_caption_and_alt_text(nb):
+    for src in cells(nb):
+        if re.search(r'\bplt\.|\bfig\b', src) and 'plt.close' not in src and ('imshow' in src or 'subplots' in src):
+            opts = options(src)
+            assert opts.get('fig-cap') and opts.get('fig-alt'), f'{nb.name}: a figure without fig-cap/fig-alt:\n{src[:200]}'
+
+
+@pytest.mark.parametrize('nb', STORY, ids=lambda p: p.stem)
+def test_story_page_ends_with_what_you_built_and_exercises(nb):
+    headings = [line for src in cells(nb, 'markdown') for line in src.splitlines() if line.startswith('## ')]
+    assert '## What you built' in headings and '## Exercises' in headings, f'{nb.name}: {headings[-4:]}'
+    assert headings.index('## What you built') < headings.index('## Exercises')
+    solutions = [src for src in cells(nb) if options(src).get('code-summary', '').startswith('Solution')]
+    assert 2 <= len(solutions) <= 3, f'{nb.name}: {len(solutions)} folded solutions'
+    for src in solutions:
+        assert options(src).get('code-fold') == 'true', f'{nb.name}: a solution that is not folded'
+        assert re.search(r'\btest_(eq|close|fail|ne)\b|\bassert\b', src), f'{nb.name}: a solution that checks nothing'
+
+
+def _public_methods():
+    for modname in ['core', 'simple', 'trainable', 'causal', 'multihead', 'training']:
+        mod = importlib.import_module(f'selfattn_nbdev.{modname}')
+        for name in mod.__all__:
+            obj = getattr(mod, name)
+            if not (inspect.isclass(obj) and issubclass(obj, nn.Module)): continue
+            for attr, fn in vars(obj).items():
+                if inspect.isfunction(fn) and (not attr.startswith('_') or attr == '__init__'):
+                    yield f'{name}.{attr}', fn
+
+
+@pytest.mark.parametrize('qualname,fn', list(_public_methods()), ids=lambda x: x if isinstance(x, str) else '')
+def test_public_methods_have_their_own_docstring(qualname, fn):
+    if qualname.endswith('.__init__'): return  # documented by the class docstring and its docments
+    assert fn.__doc__ and 'Should be overridden' not in fn.__doc__, f'{qualname} shows an inherited docstring'
+
+
+def test_every_exported_name_is_documented():
+    for name in selfattn_nbdev.__all__:
+        assert getattr(selfattn_nbdev, name).__doc__, name

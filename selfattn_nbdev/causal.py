@@ -19,67 +19,82 @@ def check_dropout(p) -> None:
     if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
         raise ValueError(f"dropout must be a probability in [0, 1); got {p!r}")
 
-def check_context(num_tokens:int, context_length:int) -> None:
+def check_context(
+    num_tokens:int, # how many tokens the input has
+    context_length:int, # the longest sequence the module accepts
+) -> None:
     "Raise a clear error when a sequence is longer than the module's `context_length`."
     if num_tokens > context_length:
-        raise ValueError(f"the input has {num_tokens} tokens but the module was built with context_length={context_length}; "
-                         f"pass at most {context_length} tokens or build it with a larger context_length")
+        raise ValueError(
+            f"the input has {num_tokens} tokens but the module was built with "
+            f"context_length={context_length}; pass at most {context_length} tokens "
+            f"or build it with a larger context_length")
 
 # %% ../nbs/03_causal.ipynb #a07a5da0
 class CausalAttention(nn.Module):
-    "Single-head causal self-attention: token i attends to tokens 1..i only, with dropout on the attention weights."
+    "Single-head causal self-attention: token i attends to tokens 1..i only."
     def __init__(self,
                  d_in:int,  # size of each input token embedding
                  d_out:int, # size of each query, key, value and output vector
                  context_length:int, # the longest sequence the module accepts
-                 dropout:float=0.0,  # probability of dropping an attention weight in training
-                 qkv_bias:bool=False, # add a learned bias to the query, key and value projections
+                 dropout:float=0.0,  # probability of dropping a weight in training
+                 qkv_bias:bool=False, # learned biases in W_query, W_key, W_value
                 ):
         super().__init__()
-        check_size(d_in, 'd_in'); check_size(d_out, 'd_out'); check_size(context_length, 'context_length')
-        check_dropout(dropout)
+        check_size(d_in, 'd_in'); check_size(d_out, 'd_out')
+        check_size(context_length, 'context_length'); check_dropout(dropout)
         self.d_in, self.d_out, self.context_length = d_in, d_out, context_length
         self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.W_key = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.W_value = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.dropout = nn.Dropout(dropout)
-        mask = torch.triu(torch.ones(context_length, context_length, dtype=torch.bool), diagonal=1)
+        ones = torch.ones(context_length, context_length, dtype=torch.bool)
+        mask = torch.triu(ones, diagonal=1)  # (context_length, context_length)
         self.register_buffer('mask', mask, persistent=False)  # True = future = hidden
 
     def forward(self,
-                x:Tensor, # token embeddings, (num_tokens, d_in) or (batch, num_tokens, d_in)
-                return_attn_weights:bool=False, # also return the attention weights (..., num_tokens, num_tokens)
-               ) -> Tensor: # context vectors (..., num_tokens, d_out) [and the attention weights]
+                x:Tensor, # tokens, (num_tokens, d_in) or (b, num_tokens, d_in)
+                return_attn_weights:bool=False, # also return the attention weights
+               ) -> Tensor: # context vectors (..., num_tokens, d_out) [and the weights]
+        "Context vectors of `x` in which token i mixes the values of tokens 1..i only."
         check_tokens(x, self.d_in, self.W_query.weight.dtype)
         num_tokens = x.shape[-2]
         check_context(num_tokens, self.context_length)
         queries = self.W_query(x)                       # (..., num_tokens, d_out)
-        keys = self.W_key(x)
-        values = self.W_value(x)
+        keys = self.W_key(x)                            # (..., num_tokens, d_out)
+        values = self.W_value(x)                        # (..., num_tokens, d_out)
         attn_scores = queries @ keys.transpose(-2, -1)  # (..., num_tokens, num_tokens)
-        attn_scores = attn_scores.masked_fill(self.mask[:num_tokens, :num_tokens], -torch.inf)
+        future = self.mask[:num_tokens, :num_tokens]    # (num_tokens, num_tokens)
+        attn_scores = attn_scores.masked_fill(future, -torch.inf)
         attn_weights = torch.softmax(attn_scores / math.sqrt(keys.shape[-1]), dim=-1)
-        attn_weights = self.dropout(attn_weights)
+        attn_weights = self.dropout(attn_weights)       # (..., num_tokens, num_tokens)
         context_vecs = attn_weights @ values            # (..., num_tokens, d_out)
         return (context_vecs, attn_weights) if return_attn_weights else context_vecs
 
-    def extra_repr(self): return f"d_in={self.d_in}, d_out={self.d_out}, context_length={self.context_length}"
+    def extra_repr(self) -> str:
+        "The sizes shown when the module is printed."
+        return (f"d_in={self.d_in}, d_out={self.d_out}, "
+                f"context_length={self.context_length}")
 
 # %% ../nbs/03_causal.ipynb #f2b6736c
 def leaks_future(
-    module:nn.Module, # an attention module: (..., num_tokens, d_in) -> (..., num_tokens, d_out)
+    module:nn.Module, # attention: (..., num_tokens, d_in) -> (..., num_tokens, d_out)
     x:Tensor, # an input, (..., num_tokens, d_in)
     t:int, # the cut: positions <= t are the past, positions > t the future
-    atol:float=1e-6, # how much a past output or gradient may move before it counts as a leak
+    atol:float=1e-6, # how far a past output or gradient may move before it is a leak
 ) -> bool: # True when the future influenced the past
-    "Whether changing the tokens after position `t` changes the outputs at positions <= t, or their gradients."
+    "Whether changing the tokens after position `t` changes the outputs (or gradients) "
+    "at positions <= t."
     x = x.detach().clone().requires_grad_(True)
     x_changed = x.detach().clone()
     x_changed[..., t + 1:, :] += torch.randn_like(x_changed[..., t + 1:, :])
     x_changed.requires_grad_(True)
-    past, past_changed = module(x)[..., :t + 1, :], module(x_changed)[..., :t + 1, :]
-    grad, = torch.autograd.grad(past.sum(), x)
+    past = module(x)[..., :t + 1, :]                  # (..., t + 1, d_out)
+    past_changed = module(x_changed)[..., :t + 1, :]  # (..., t + 1, d_out)
+    grad, = torch.autograd.grad(past.sum(), x)        # (..., num_tokens, d_in)
     grad_changed, = torch.autograd.grad(past_changed.sum(), x_changed)
-    same = torch.allclose(past, past_changed, atol=atol) and torch.allclose(grad, grad_changed, atol=atol)
-    future_grad = grad[..., t + 1:, :].abs().sum()  # what the past outputs send back to future tokens: must be 0
+    same = (torch.allclose(past, past_changed, atol=atol)
+            and torch.allclose(grad, grad_changed, atol=atol))
+    # what the past outputs send back to the future tokens: must be 0
+    future_grad = grad[..., t + 1:, :].abs().sum()
     return not (same and bool(future_grad <= atol))

@@ -17,147 +17,217 @@ from .core import check_size, check_tokens
 from .causal import check_context, check_dropout
 
 # %% ../nbs/04_multihead.ipynb #1176acd3
-def check_heads(d_out:int, num_heads:int) -> None:
+def check_heads(
+    d_out:int, # size of the output, to be split into heads
+    num_heads:int, # number of heads
+) -> None:
     "Raise a clear error unless `num_heads` is a positive integer that divides `d_out`."
     check_size(num_heads, 'num_heads')
     if d_out % num_heads:
-        raise ValueError(f"num_heads must divide d_out so that every head gets d_out // num_heads dimensions; "
-                         f"got d_out={d_out}, num_heads={num_heads}")
+        raise ValueError(
+            f"num_heads must divide d_out so that every head gets d_out // num_heads "
+            f"dimensions; got d_out={d_out}, num_heads={num_heads}")
 
 # %% ../nbs/04_multihead.ipynb #1809c1ea
 class MultiHeadAttentionWrapper(nn.Module):
-    "Causal multi-head attention as `num_heads` independent `CausalAttention` heads, concatenated."
+    "Causal multi-head attention as `num_heads` separate `CausalAttention` heads."
     def __init__(self,
                  d_in:int,  # size of each input token embedding
                  d_out:int, # size of the output; each head gets d_out // num_heads
                  context_length:int, # the longest sequence the module accepts
-                 dropout:float=0.0,  # probability of dropping an attention weight in training
+                 dropout:float=0.0,  # probability of dropping a weight in training
                  num_heads:int=1,    # number of heads; must divide d_out
-                 qkv_bias:bool=False, # add a learned bias to the query, key and value projections
+                 qkv_bias:bool=False, # learned biases in W_query, W_key, W_value
                 ):
         super().__init__()
         check_size(d_out, 'd_out'); check_heads(d_out, num_heads)
-        self.heads = nn.ModuleList([CausalAttention(d_in, d_out // num_heads, context_length, dropout, qkv_bias)
-                                    for _ in range(num_heads)])
+        head_dim = d_out // num_heads
+        self.heads = nn.ModuleList(
+            [CausalAttention(d_in, head_dim, context_length, dropout, qkv_bias)
+             for _ in range(num_heads)])
 
     def forward(self,
-                x:Tensor, # token embeddings, (num_tokens, d_in) or (batch, num_tokens, d_in)
+                x:Tensor, # tokens, (num_tokens, d_in) or (batch, num_tokens, d_in)
                ) -> Tensor: # context vectors, (..., num_tokens, d_out)
-        return torch.cat([head(x) for head in self.heads], dim=-1)  # h x (..., num_tokens, head_dim) -> (..., num_tokens, d_out)
+        "Run every head on `x` and concatenate their context vectors."
+        per_head = [head(x) for head in self.heads]  # each (..., num_tokens, head_dim)
+        return torch.cat(per_head, dim=-1)           # (..., num_tokens, d_out)
 
 # %% ../nbs/04_multihead.ipynb #7c5c1e65
 def _blocked_mask(
-    num_tokens:int, causal_mask:Tensor|None, key_padding_mask:Tensor|None, batch:int
-) -> Tensor|None: # bool (batch or 1, 1, num_tokens, num_tokens), True = do not attend; None when nothing is blocked
-    "Combine the causal mask and a key padding mask into one boolean mask, broadcastable over heads."
-    blocked = None if causal_mask is None else causal_mask[:num_tokens, :num_tokens][None, None]  # (1, 1, T, T)
+    num_tokens:int, # length of the sequences
+    causal_mask:Tensor|None, # the mask buffer, True = future; None if not causal
+    key_padding_mask:Tensor|None, # bool (batch, num_tokens), True = padding; or None
+) -> Tensor|None: # bool, True = do not attend; None when nothing is blocked
+    "Combine the causal mask and a key padding mask into one mask for all heads."
+    blocked = None
+    if causal_mask is not None:
+        blocked = causal_mask[:num_tokens, :num_tokens][None, None]  # (1, 1, T, T)
     if key_padding_mask is not None:
-        padding = key_padding_mask[:, None, None, :]                                           # (b, 1, 1, T)
-        blocked = padding if blocked is None else blocked | padding                            # (b, 1, T, T)
-        blocked = blocked.expand(batch, 1, num_tokens, num_tokens)
+        padding = key_padding_mask[:, None, None, :]                 # (b, 1, 1, T)
+        blocked = padding if blocked is None else blocked | padding  # (b, 1, T or 1, T)
+        b = key_padding_mask.shape[0]
+        blocked = blocked.expand(b, 1, num_tokens, num_tokens)       # (b, 1, T, T)
     return blocked
 
 # %% ../nbs/04_multihead.ipynb #baed4011
-def _check_padding_mask(key_padding_mask, x:Tensor) -> None:
-    "A key padding mask must be a bool tensor shaped like the input without its last dimension."
+def _check_padding_mask(
+    key_padding_mask, # None, or what the caller passed as key_padding_mask
+    x:Tensor, # the input, (num_tokens, d_in) or (batch, num_tokens, d_in)
+) -> None:
+    "A key padding mask must be a bool tensor shaped like `x` minus its last axis."
     if key_padding_mask is None: return
     expected = tuple(x.shape[:-1])
     names = '(batch, num_tokens)' if x.dim() == 3 else '(num_tokens,)'
     if not isinstance(key_padding_mask, Tensor):
-        raise TypeError(f"key_padding_mask must be a bool tensor of shape {names} = {expected}; got {type(key_padding_mask).__name__}")
+        raise TypeError(f"key_padding_mask must be a bool tensor of shape {names} = "
+                        f"{expected}; got {type(key_padding_mask).__name__}")
     if key_padding_mask.dtype != torch.bool:
-        raise TypeError(f"key_padding_mask must be a bool tensor (True = padding, ignored); got dtype {key_padding_mask.dtype}")
+        raise TypeError(f"key_padding_mask must be a bool tensor (True = padding, "
+                        f"ignored); got dtype {key_padding_mask.dtype}")
     if tuple(key_padding_mask.shape) != expected:
-        raise ValueError(f"key_padding_mask must have shape {names} = {expected}; got {tuple(key_padding_mask.shape)}")
+        raise ValueError(f"key_padding_mask must have shape {names} = {expected}; "
+                         f"got {tuple(key_padding_mask.shape)}")
 
 # %% ../nbs/04_multihead.ipynb #1c9960f3
 class MultiHeadAttention(nn.Module):
-    "Multi-head (by default causal) self-attention: one projection split into heads, a fused fast path, and an explicit path that returns the weights."
+    "Multi-head (by default causal) self-attention: a fused path and an explicit path."
     def __init__(self,
                  d_in:int,  # size of each input token embedding
-                 d_out:int, # size of the output; each head gets head_dim = d_out // num_heads
+                 d_out:int, # size of the output; each head gets d_out // num_heads
                  context_length:int, # the longest sequence the module accepts
-                 dropout:float=0.0,  # probability of dropping an attention weight in training
+                 dropout:float=0.0,  # probability of dropping a weight in training
                  num_heads:int=1,    # number of heads; must divide d_out
-                 qkv_bias:bool=False, # add a learned bias to the query, key and value projections
-                 causal:bool=True,    # hide the future: token i attends to tokens 1..i only
+                 qkv_bias:bool=False, # learned biases in W_query, W_key, W_value
+                 causal:bool=True,    # hide the future: token i sees tokens 1..i only
                 ):
         super().__init__()
-        check_size(d_in, 'd_in'); check_size(d_out, 'd_out'); check_size(context_length, 'context_length')
+        check_size(d_in, 'd_in'); check_size(d_out, 'd_out')
+        check_size(context_length, 'context_length')
         check_heads(d_out, num_heads); check_dropout(dropout)
         self.d_in, self.d_out, self.context_length = d_in, d_out, context_length
-        self.num_heads, self.head_dim, self.causal = num_heads, d_out // num_heads, causal
+        self.num_heads, self.head_dim = num_heads, d_out // num_heads
+        self.causal = causal
         self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.W_key = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.W_value = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.out_proj = nn.Linear(d_out, d_out)
         self.dropout = nn.Dropout(dropout)
-        mask = torch.triu(torch.ones(context_length, context_length, dtype=torch.bool), diagonal=1)
+        ones = torch.ones(context_length, context_length, dtype=torch.bool)
+        mask = torch.triu(ones, diagonal=1)  # (context_length, context_length)
         self.register_buffer('mask', mask, persistent=False)  # True = future = hidden
 
-    def _split_heads(self, t:Tensor) -> Tensor:
-        "(b, num_tokens, d_out) -> (b, num_heads, num_tokens, head_dim)"
+    def _split_heads(self,
+                     t:Tensor, # a projection, (b, num_tokens, d_out)
+                    ) -> Tensor: # (b, num_heads, num_tokens, head_dim)
+        "Cut the last axis into `num_heads` pieces of `head_dim`; heads get an axis."
         b, num_tokens, _ = t.shape
-        return t.view(b, num_tokens, self.num_heads, self.head_dim).transpose(1, 2)
+        t = t.view(b, num_tokens, self.num_heads, self.head_dim)  # (b, T, heads, hd)
+        return t.transpose(1, 2)                                  # (b, heads, T, hd)
+
+    def _merge_heads(self,
+                     context:Tensor, # per head: (b, num_heads, num_tokens, head_dim)
+                    ) -> Tensor: # (b, num_tokens, d_out), the heads side by side
+        "Undo `_split_heads`: concatenate the heads of each token again."
+        b, _, num_tokens, _ = context.shape
+        context = context.transpose(1, 2)                   # (b, T, heads, head_dim)
+        return context.reshape(b, num_tokens, self.d_out)   # (b, T, d_out)
+
+    def _masks(self,
+               num_tokens:int, # length of the sequences
+               key_padding_mask:Tensor|None, # bool (b, num_tokens), True = padding
+              ) -> tuple: # blocked (b or 1, 1, T, T) or None; dead (b, 1, T, 1) or None
+        "The mask `blocked` (True = do not attend) and the `dead` rows (no key left)."
+        causal_mask = self.mask if self.causal else None
+        blocked = _blocked_mask(num_tokens, causal_mask, key_padding_mask)
+        if key_padding_mask is None: return blocked, None
+        dead = blocked.all(dim=-1, keepdim=True)  # (b, 1, T, 1): every key blocked
+        return blocked & ~dead, dead              # dead rows may attend; zeroed later
+
+    def _attend_explicit(self,
+                         queries:Tensor, # (b, num_heads, num_tokens, head_dim)
+                         keys:Tensor,    # (b, num_heads, num_tokens, head_dim)
+                         values:Tensor,  # (b, num_heads, num_tokens, head_dim)
+                         key_padding_mask:Tensor|None, # bool (b, num_tokens) or None
+                        ) -> tuple: # context(b, heads, T, hd), weights(b, heads, T, T)
+        "Scores, mask, softmax, dropout, weighted sum: all heads at once, step by step."
+        blocked, dead = self._masks(queries.shape[2], key_padding_mask)
+        attn_scores = queries @ keys.transpose(2, 3)  # (b, heads, T, T)
+        if blocked is not None:
+            attn_scores = attn_scores.masked_fill(blocked, -torch.inf)
+        attn_weights = torch.softmax(attn_scores / math.sqrt(self.head_dim), dim=-1)
+        if dead is not None: attn_weights = attn_weights.masked_fill(dead, 0.0)
+        attn_weights = self.dropout(attn_weights)     # (b, heads, T, T)
+        context = attn_weights @ values               # (b, heads, T, head_dim)
+        return context, attn_weights
+
+    def _attend_fused(self,
+                      queries:Tensor, # (b, num_heads, num_tokens, head_dim)
+                      keys:Tensor,    # (b, num_heads, num_tokens, head_dim)
+                      values:Tensor,  # (b, num_heads, num_tokens, head_dim)
+                      key_padding_mask:Tensor|None, # bool (b, num_tokens) or None
+                     ) -> Tensor: # context, (b, num_heads, num_tokens, head_dim)
+        "The same with the fused `F.scaled_dot_product_attention`; no weights kept."
+        dropout_p = self.dropout.p if self.training else 0.0
+        if key_padding_mask is None:  # no mask to build: the kernel applies causality
+            return F.scaled_dot_product_attention(
+                queries, keys, values, dropout_p=dropout_p, is_causal=self.causal)
+        blocked, dead = self._masks(queries.shape[2], key_padding_mask)
+        context = F.scaled_dot_product_attention(  # SDPA's bool mask: True = attend
+            queries, keys, values, attn_mask=~blocked, dropout_p=dropout_p)
+        return context.masked_fill(dead, 0.0)      # (b, heads, T, head_dim)
 
     def forward(self,
-                x:Tensor, # token embeddings, (num_tokens, d_in) or (batch, num_tokens, d_in)
-                key_padding_mask:Tensor|None=None, # bool (batch, num_tokens) [or (num_tokens,)]; True = padding, ignored as a key
-                return_attn_weights:bool=False, # also return the per-head weights (batch, num_heads, num_tokens, num_tokens)
-               ) -> Tensor: # context vectors (..., num_tokens, d_out) [and the attention weights]
+                x:Tensor, # tokens, (num_tokens, d_in) or (batch, num_tokens, d_in)
+                key_padding_mask:Tensor|None=None, # bool, x.shape[:-1]; True = padding
+                return_attn_weights:bool=False, # explicit path; also return the weights
+               ) -> Tensor: # context vectors (..., num_tokens, d_out) [and the weights]
+        "Project `x`, split into heads, attend, merge the heads, mix them (out_proj)."
         check_tokens(x, self.d_in, self.W_query.weight.dtype)
         _check_padding_mask(key_padding_mask, x)
         unbatched = x.dim() == 2
-        if unbatched:
-            x = x.unsqueeze(0)                                                   # (1, num_tokens, d_in)
-            key_padding_mask = None if key_padding_mask is None else key_padding_mask.unsqueeze(0)
-        b, num_tokens, _ = x.shape
-        check_context(num_tokens, self.context_length)
-
-        queries = self._split_heads(self.W_query(x))                             # (b, num_heads, num_tokens, head_dim)
-        keys = self._split_heads(self.W_key(x))
-        values = self._split_heads(self.W_value(x))
-        dropout_p = self.dropout.p if self.training else 0.0
-
-        if key_padding_mask is None and not return_attn_weights:  # fast path, no mask to build: the kernel masks itself
-            context = F.scaled_dot_product_attention(queries, keys, values, dropout_p=dropout_p, is_causal=self.causal)
+        if unbatched:  # one sequence: add a batch axis of 1, removed at the end
+            x = x.unsqueeze(0)                             # (1, num_tokens, d_in)
+            if key_padding_mask is not None: key_padding_mask = key_padding_mask[None]
+        check_context(x.shape[1], self.context_length)
+        queries = self._split_heads(self.W_query(x))       # (b, heads, T, head_dim)
+        keys = self._split_heads(self.W_key(x))            # (b, heads, T, head_dim)
+        values = self._split_heads(self.W_value(x))        # (b, heads, T, head_dim)
+        if return_attn_weights:
+            context, attn_weights = self._attend_explicit(queries, keys, values,
+                                                          key_padding_mask)
         else:
-            blocked = _blocked_mask(num_tokens, self.mask if self.causal else None, key_padding_mask, b)
-            dead = None if key_padding_mask is None else blocked.all(dim=-1, keepdim=True)  # (b, 1, num_tokens, 1): no key left
-            if dead is not None: blocked = blocked & ~dead                       # let those rows attend; zeroed below
-            if return_attn_weights:                                              # explicit path
-                attn_scores = queries @ keys.transpose(2, 3)                     # (b, num_heads, num_tokens, num_tokens)
-                if blocked is not None: attn_scores = attn_scores.masked_fill(blocked, -torch.inf)
-                attn_weights = torch.softmax(attn_scores / math.sqrt(self.head_dim), dim=-1)
-                if dead is not None: attn_weights = attn_weights.masked_fill(dead, 0.0)
-                attn_weights = self.dropout(attn_weights)
-                context = attn_weights @ values                                  # (b, num_heads, num_tokens, head_dim)
-            else:                                                                # fast path; SDPA's bool mask: True = attend
-                context = F.scaled_dot_product_attention(queries, keys, values, attn_mask=~blocked, dropout_p=dropout_p)
-            if dead is not None: context = context.masked_fill(dead, 0.0)
-
-        context = context.transpose(1, 2).reshape(b, num_tokens, self.d_out)     # (b, num_tokens, d_out)
-        out = self.out_proj(context)
+            context = self._attend_fused(queries, keys, values, key_padding_mask)
+        out = self.out_proj(self._merge_heads(context))    # (b, num_tokens, d_out)
         if unbatched: out = out.squeeze(0)
         if not return_attn_weights: return out
         return out, (attn_weights.squeeze(0) if unbatched else attn_weights)
 
-    def extra_repr(self):
-        return (f"d_in={self.d_in}, d_out={self.d_out}, context_length={self.context_length}, "
+    def extra_repr(self) -> str:
+        "The sizes shown when the module is printed."
+        return (f"d_in={self.d_in}, d_out={self.d_out}, "
+                f"context_length={self.context_length}, "
                 f"num_heads={self.num_heads}, causal={self.causal}")
+
 
 # %% ../nbs/04_multihead.ipynb #dbd683b0
 def to_torch_multihead(
-    m:MultiHeadAttention, # a module with d_in == d_out and a bias on its projections (qkv_bias=True)
-) -> nn.MultiheadAttention: # PyTorch's module (batch_first=True) computing the same function
-    "An `nn.MultiheadAttention` holding the same weights as `m`; pass it `m.mask` as `attn_mask` when `m.causal`."
+    m:MultiHeadAttention, # a module with d_in == d_out and qkv_bias=True
+) -> nn.MultiheadAttention: # PyTorch's module (batch_first=True), same function
+    "An `nn.MultiheadAttention` with the weights of `m`; give it `m.mask` as attn_mask."
     if m.d_in != m.d_out or m.W_query.bias is None:
-        raise ValueError(f"nn.MultiheadAttention needs d_in == d_out and biases on the projections; "
-                         f"got d_in={m.d_in}, d_out={m.d_out}, qkv_bias={m.W_query.bias is not None}")
-    ref = nn.MultiheadAttention(m.d_out, m.num_heads, dropout=m.dropout.p, bias=True, batch_first=True,
-                                device=m.out_proj.weight.device, dtype=m.out_proj.weight.dtype)
+        raise ValueError(
+            f"nn.MultiheadAttention needs d_in == d_out and biases on the projections; "
+            f"got d_in={m.d_in}, d_out={m.d_out}, "
+            f"qkv_bias={m.W_query.bias is not None}")
+    device, dtype = m.out_proj.weight.device, m.out_proj.weight.dtype
+    ref = nn.MultiheadAttention(m.d_out, m.num_heads, dropout=m.dropout.p, bias=True,
+                                batch_first=True, device=device, dtype=dtype)
     with torch.no_grad():
-        ref.in_proj_weight.copy_(torch.cat([m.W_query.weight, m.W_key.weight, m.W_value.weight]))  # (3 d_out, d_in)
-        ref.in_proj_bias.copy_(torch.cat([m.W_query.bias, m.W_key.bias, m.W_value.bias]))
-        ref.out_proj.weight.copy_(m.out_proj.weight); ref.out_proj.bias.copy_(m.out_proj.bias)
+        in_proj = [m.W_query.weight, m.W_key.weight, m.W_value.weight]
+        ref.in_proj_weight.copy_(torch.cat(in_proj))  # (3 d_out, d_in)
+        in_bias = [m.W_query.bias, m.W_key.bias, m.W_value.bias]
+        ref.in_proj_bias.copy_(torch.cat(in_bias))    # (3 d_out,)
+        ref.out_proj.weight.copy_(m.out_proj.weight)
+        ref.out_proj.bias.copy_(m.out_proj.bias)
     return ref.train(m.training)

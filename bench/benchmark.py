@@ -168,6 +168,17 @@ def import_overhead(runs: int = 15) -> dict:
     return {'import_torch_ms': 1000 * statistics.median(torch_s), 'overhead_ms': 1000 * statistics.median(added_s), 'runs': runs}
 
 
+def cpu_model() -> str:
+    "The CPU's model name from /proc/cpuinfo (Linux); else platform.processor() or the machine type."
+    try:
+        with open('/proc/cpuinfo') as f:
+            for line in f:
+                key, _, value = line.partition(':')
+                if key.strip() == 'model name' and value.strip(): return value.strip()
+    except OSError: pass
+    return platform.processor() or platform.machine()
+
+
 def slope(xs, ys) -> float:
     "Least-squares slope of log(ys) against log(xs): the scaling exponent."
     lx, ly = [math.log(v) for v in xs], [math.log(v) for v in ys]
@@ -188,7 +199,7 @@ def main():
     mem_Ts = [128, 256] if args.quick else [2048, 4096]
 
     started = time.time()
-    print(f'torch {torch.__version__}, {args.threads} threads, {platform.processor() or platform.machine()}')
+    print(f'torch {torch.__version__}, {args.threads} threads, {cpu_model()}')
     diffs = check_correctness()
     print('correctness vs reference (max abs diff): ' + ', '.join(f'{k} {v:.1e}' for k, v in diffs.items()))
 
@@ -226,6 +237,7 @@ def main():
 
     results = {
         'machine': {'platform': platform.platform(), 'processor': platform.processor() or platform.machine(),
+                    'cpu_model': cpu_model(),
                     'cpu_count': os.cpu_count(), 'python': platform.python_version()},
         'torch': torch.__version__, 'threads': args.threads, 'quick': args.quick,
         'config': {'batch': BATCH, 'd_in': D, 'd_out': D, 'num_heads': HEADS, 'causal': True, 'dropout': 0.0, 'dtype': 'float32'},

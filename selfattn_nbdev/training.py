@@ -17,26 +17,32 @@ from .core import SelfAttention, check_size
 RIVER_WORDS = ["river", "stream", "water", "fish", "shore"]
 MONEY_WORDS = ["money", "loan", "cash", "credit", "account"]
 FILLER_WORDS = ["the", "a", "by", "near", "at", "went", "I", "to"]
-VOCAB = ["bank"] + RIVER_WORDS + MONEY_WORDS + FILLER_WORDS  # token id = index in this list
+VOCAB = ["bank"] + RIVER_WORDS + MONEY_WORDS + FILLER_WORDS  # token id = index in VOCAB
 
 # %% ../nbs/05_training.ipynb #cd6eda71
 def make_bank_sentences(
     n:int, # number of sentences
     seed:int, # seed of the generator: the same seed gives the same sentences
-    num_tokens:int=5, # tokens per sentence (at least 2: `bank` and the word that gives its sense)
-) -> tuple[Tensor, Tensor, Tensor]: # token ids (n, num_tokens), labels (n,) with 0 = river and 1 = money, positions of `bank` (n,)
-    "Random sentences of filler words with `bank` and one sense-giving word at random positions."
+    num_tokens:int=5, # tokens per sentence (at least 2: `bank` and its sense word)
+) -> tuple[Tensor, Tensor, Tensor]: # token ids, labels (0 = river), `bank` positions
+    "Random filler sentences with `bank` and one sense-giving word at random positions."
     check_size(n, 'n')
-    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 2:
-        raise ValueError(f"num_tokens must be an integer >= 2 (bank and a sense word); got {num_tokens!r}")
+    bad_length = isinstance(num_tokens, bool) or not isinstance(num_tokens, int)
+    if bad_length or num_tokens < 2:
+        raise ValueError("num_tokens must be an integer >= 2 (bank and a sense word); "
+                         f"got {num_tokens!r}")
     g = torch.Generator().manual_seed(seed)
-    labels = torch.randint(0, 2, (n,), generator=g)
+    labels = torch.randint(0, 2, (n,), generator=g)                    # (n,)
     first_filler = VOCAB.index(FILLER_WORDS[0])
-    token_ids = first_filler + torch.randint(0, len(FILLER_WORDS), (n, num_tokens), generator=g)
-    positions = torch.argsort(torch.rand(n, num_tokens, generator=g), dim=1)  # a random order of positions per row
-    bank_positions, sense_positions = positions[:, 0], positions[:, 1]
-    river_ids = VOCAB.index(RIVER_WORDS[0]) + torch.randint(0, len(RIVER_WORDS), (n,), generator=g)
-    money_ids = VOCAB.index(MONEY_WORDS[0]) + torch.randint(0, len(MONEY_WORDS), (n,), generator=g)
+    token_ids = first_filler + torch.randint(
+        0, len(FILLER_WORDS), (n, num_tokens), generator=g)            # (n, num_tokens)
+    noise = torch.rand(n, num_tokens, generator=g)                     # (n, num_tokens)
+    positions = torch.argsort(noise, dim=1)  # each row: a random order of the positions
+    bank_positions, sense_positions = positions[:, 0], positions[:, 1] # (n,) each
+    river_ids = VOCAB.index(RIVER_WORDS[0]) + torch.randint(
+        0, len(RIVER_WORDS), (n,), generator=g)                        # (n,)
+    money_ids = VOCAB.index(MONEY_WORDS[0]) + torch.randint(
+        0, len(MONEY_WORDS), (n,), generator=g)                        # (n,)
     rows = torch.arange(n)
     token_ids[rows, bank_positions] = VOCAB.index("bank")
     token_ids[rows, sense_positions] = torch.where(labels == 0, river_ids, money_ids)
@@ -44,7 +50,7 @@ def make_bank_sentences(
 
 # %% ../nbs/05_training.ipynb #2674ae56
 class BankSenseClassifier(nn.Module):
-    "Embedding -> `SelfAttention` -> the context vector at the position of `bank` -> linear classifier."
+    "Embedding -> `SelfAttention` -> the context vector at `bank` -> linear classifier."
     def __init__(self,
                  vocab_size:int=len(VOCAB), # number of token ids
                  d_model:int=8,             # embedding and attention size
@@ -58,12 +64,16 @@ class BankSenseClassifier(nn.Module):
     def forward(self,
                 token_ids:Tensor, # (batch, num_tokens) token ids
                 bank_positions:Tensor, # (batch,) where `bank` is in each sentence
-                return_attn_weights:bool=False, # also return the attention weights (batch, num_tokens, num_tokens)
+                return_attn_weights:bool=False, # also return the attention weights
                ) -> Tensor: # logits (batch, num_classes) [and the attention weights]
-        x = self.embedding(token_ids)                                     # (batch, num_tokens, d_model)
-        context_vecs, attn_weights = self.attention(x, return_attn_weights=True)  # (batch, num_tokens, d_model)
-        at_bank = context_vecs[torch.arange(len(token_ids)), bank_positions]      # (batch, d_model)
-        logits = self.classifier(at_bank)                                 # (batch, num_classes)
+        "The sense logits of each sentence, read from the context vector of `bank`."
+        x = self.embedding(token_ids)                   # (batch, num_tokens, d_model)
+        context_vecs, attn_weights = self.attention(x, return_attn_weights=True)
+        # context_vecs: (batch, num_tokens, d_model)
+        # attn_weights: (batch, num_tokens, num_tokens)
+        rows = torch.arange(len(token_ids))             # (batch,)
+        at_bank = context_vecs[rows, bank_positions]    # (batch, d_model)
+        logits = self.classifier(at_bank)               # (batch, num_classes)
         return (logits, attn_weights) if return_attn_weights else logits
 
 # %% ../nbs/05_training.ipynb #95dc098f
@@ -80,14 +90,22 @@ def train_classifier(
     losses = []
     model.train()
     for _ in range(steps):
-        loss = F.cross_entropy(model(token_ids, bank_positions), labels)
+        logits = model(token_ids, bank_positions)       # (n, num_classes)
+        loss = F.cross_entropy(logits, labels)          # a scalar: the mean over n
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
     return losses
 
-def accuracy(model:nn.Module, token_ids:Tensor, labels:Tensor, bank_positions:Tensor) -> float:
+# %% ../nbs/05_training.ipynb #b55c2aeb
+def accuracy(
+    model:nn.Module, # maps (token_ids, bank_positions) to logits
+    token_ids:Tensor, # (n, num_tokens)
+    labels:Tensor, # (n,)
+    bank_positions:Tensor, # (n,)
+) -> float: # between 0 and 1
     "Fraction of sentences whose sense `model` predicts correctly."
     with torch.no_grad():
-        return (model(token_ids, bank_positions).argmax(-1) == labels).float().mean().item()
+        predicted = model(token_ids, bank_positions).argmax(-1)   # (n,)
+        return (predicted == labels).float().mean().item()

@@ -15,19 +15,22 @@ from .core import check_tokens
 def softmax_stable(
     x:Tensor, # scores, any shape; `-inf` entries get weight 0
     dim:int=-1, # the dimension along which the weights sum to 1
-) -> Tensor: # weights: non-negative, summing to 1 along `dim`, same shape as `x`
-    "Softmax computed as `exp(x - max) / sum(exp(x - max))`, which neither overflows nor divides by zero."
-    exps = torch.exp(x - x.amax(dim=dim, keepdim=True))
-    return exps / exps.sum(dim=dim, keepdim=True)
+) -> Tensor: # same shape as `x`; sums to 1 along `dim`, or is all 0 where all `-inf`
+    "`exp(x - max) / sum(exp(x - max))`: no overflow, no `nan`; all `-inf` gives 0s."
+    x_max = x.amax(dim=dim, keepdim=True)  # the largest score; size 1 along dim
+    x_max = x_max.masked_fill(torch.isneginf(x_max), 0)  # no -inf - (-inf) = nan
+    exps = torch.exp(x - x_max)            # each in [0, 1]; the max gives e^0 = 1
+    sums = exps.sum(dim=dim, keepdim=True) # >= 1, or 0 for an all -inf row
+    return exps / sums.clamp(min=1)        # an all -inf row: 0 / 1 = 0
 
 # %% ../nbs/01_simple.ipynb #3b80114b
 def simple_attention(
     inputs:Tensor, # token embeddings, (num_tokens, d_in) or (batch, num_tokens, d_in)
-    return_weights:bool=False, # also return the attention weights, (..., num_tokens, num_tokens)
-) -> Tensor: # context vectors, same shape as `inputs` (and the attention weights if asked)
-    "Self-attention with no trainable weights: each token's embedding serves as its query, key and value."
+    return_attn_weights:bool=False, # also return α, (..., num_tokens, num_tokens)
+) -> Tensor: # context vectors, shape of `inputs` (and the weights if asked)
+    "Self-attention without trainable weights: each embedding is query, key and value."
     check_tokens(inputs, d_in=None, name='inputs')
-    attn_scores = inputs @ inputs.transpose(-2, -1)  # (..., num_tokens, num_tokens)
-    attn_weights = torch.softmax(attn_scores, dim=-1)
-    context_vecs = attn_weights @ inputs             # (..., num_tokens, d_in)
-    return (context_vecs, attn_weights) if return_weights else context_vecs
+    attn_scores = inputs @ inputs.transpose(-2, -1)    # (..., num_tokens, num_tokens)
+    attn_weights = torch.softmax(attn_scores, dim=-1)  # (..., num_tokens, num_tokens)
+    context_vecs = attn_weights @ inputs               # (..., num_tokens, d_in)
+    return (context_vecs, attn_weights) if return_attn_weights else context_vecs

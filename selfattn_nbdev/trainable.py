@@ -11,34 +11,69 @@ import math
 import torch
 from torch import Tensor, nn
 
-from .core import SelfAttention, check_size, check_tokens
+from .core import check_size, check_tokens
 
 # %% ../nbs/02_trainable.ipynb #703fccd0
-class SelfAttentionV1(SelfAttention):
-    "Scaled dot-product self-attention with `nn.Parameter` weight matrices drawn from U[0, 1) (the `SelfAttention` of Core)."
-
-# %% ../nbs/02_trainable.ipynb #ad494cf5
-class SelfAttentionV2(nn.Module):
-    "Scaled dot-product self-attention with `nn.Linear` projections (PyTorch's default initialisation)."
+class SelfAttentionV1(nn.Module):
+    "Scaled dot-product self-attention with `nn.Parameter` weights drawn from U[0, 1)."
     def __init__(self,
                  d_in:int,  # size of each input token embedding
-                 d_out:int, # size of each query, key, value and output vector
-                 qkv_bias:bool=False, # add a learned bias to the query, key and value projections
+                 d_out:int, # size of each query, key, value and output (d_k = d_out)
                 ):
+        "Draw the three weight matrices, in the order query, key, value."
         super().__init__()
         check_size(d_in, 'd_in'); check_size(d_out, 'd_out')
         self.d_in, self.d_out = d_in, d_out
-        self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.W_query = nn.Parameter(torch.rand(d_in, d_out))  # (d_in, d_out), U[0, 1)
+        self.W_key = nn.Parameter(torch.rand(d_in, d_out))    # (d_in, d_out)
+        self.W_value = nn.Parameter(torch.rand(d_in, d_out))  # (d_in, d_out)
+
+    def forward(self,
+                x:Tensor, # embeddings, (num_tokens, d_in) or (batch, num_tokens, d_in)
+                return_attn_weights:bool=False, # also return the weights α
+               ) -> Tensor: # context vectors, (..., num_tokens, d_out) [and α]
+        "One context vector per token: the values averaged with softmax(QKᵀ / √d_k)."
+        check_tokens(x, self.d_in, self.W_query.dtype)
+        queries = x @ self.W_query                      # (..., num_tokens, d_out)
+        keys = x @ self.W_key                           # (..., num_tokens, d_out)
+        values = x @ self.W_value                       # (..., num_tokens, d_out)
+        attn_scores = queries @ keys.transpose(-2, -1)  # (..., num_tokens, num_tokens)
+        d_k = keys.shape[-1]
+        attn_weights = torch.softmax(attn_scores / math.sqrt(d_k), dim=-1)
+        context_vecs = attn_weights @ values            # (..., num_tokens, d_out)
+        return (context_vecs, attn_weights) if return_attn_weights else context_vecs
+
+    def extra_repr(self) -> str:
+        "The sizes shown by `print(module)`."
+        return f"d_in={self.d_in}, d_out={self.d_out}"
+
+# %% ../nbs/02_trainable.ipynb #ad494cf5
+class SelfAttentionV2(nn.Module):
+    "Scaled dot-product self-attention with `nn.Linear` projections (default init)."
+    def __init__(self,
+                 d_in:int,  # size of each input token embedding
+                 d_out:int, # size of each query, key, value and output vector
+                 qkv_bias:bool=False, # add a learned bias to the three projections
+                ):
+        "Build the three `nn.Linear` projections, in the order query, key, value."
+        super().__init__()
+        check_size(d_in, 'd_in'); check_size(d_out, 'd_out')
+        self.d_in, self.d_out = d_in, d_out
+        self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)  # .weight: (d_out, d_in)
         self.W_key = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.W_value = nn.Linear(d_in, d_out, bias=qkv_bias)
 
     def forward(self,
-                x:Tensor, # token embeddings, (num_tokens, d_in) or (batch, num_tokens, d_in)
-               ) -> Tensor: # context vectors, (..., num_tokens, d_out)
+                x:Tensor, # embeddings, (num_tokens, d_in) or (batch, num_tokens, d_in)
+                return_attn_weights:bool=False, # also return the weights α
+               ) -> Tensor: # context vectors, (..., num_tokens, d_out) [and α]
+        "One context vector per token: the values averaged with softmax(QKᵀ / √d_k)."
         check_tokens(x, self.d_in, self.W_query.weight.dtype)
         queries = self.W_query(x)                       # (..., num_tokens, d_out)
-        keys = self.W_key(x)
-        values = self.W_value(x)
+        keys = self.W_key(x)                            # (..., num_tokens, d_out)
+        values = self.W_value(x)                        # (..., num_tokens, d_out)
         attn_scores = queries @ keys.transpose(-2, -1)  # (..., num_tokens, num_tokens)
-        attn_weights = torch.softmax(attn_scores / math.sqrt(keys.shape[-1]), dim=-1)
-        return attn_weights @ values                    # (..., num_tokens, d_out)
+        d_k = keys.shape[-1]
+        attn_weights = torch.softmax(attn_scores / math.sqrt(d_k), dim=-1)
+        context_vecs = attn_weights @ values            # (..., num_tokens, d_out)
+        return (context_vecs, attn_weights) if return_attn_weights else context_vecs

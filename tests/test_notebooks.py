@@ -40,6 +40,19 @@ def test_code_lines_fit_the_page(nb):
     assert not long, f'{nb.name}: {len(long)} code line(s) longer than {MAX_LINE} characters, e.g. cell {long[0]}'
 
 
+IMPORT = re.compile(r'^\s*(import|from)\s+\S+', re.M)
+
+
+@pytest.mark.parametrize('nb', NOTEBOOKS, ids=lambda p: p.stem)
+def test_import_cells_hold_only_imports(nb):
+    "nbdev's docs build runs every cell that imports something (to make `show_doc` work): keep those cells pure."
+    for src in cells(nb):
+        if not IMPORT.search(src): continue
+        body = [l for l in src.splitlines() if l.strip() and not l.startswith('#')]
+        stray = [l for l in body if not IMPORT.match(l) and not l.startswith((' ', ')', '_all_ ='))]
+        assert not stray, f'{nb.name}: a cell that imports and also runs code (move the import up): {stray[:2]}'
+
+
 @pytest.mark.parametrize('nb', NOTEBOOKS, ids=lambda p: p.stem)
 def test_exported_code_is_shown(nb):
     hidden = [src.splitlines()[1] for src in cells(nb)

@@ -11,7 +11,7 @@ from selfattn_nbdev.training import VOCAB, BankSenseClassifier, make_bank_senten
 
 def test_simple_attention_is_softmax_of_dot_products():
     x = torch.randn(2, 5, 3, dtype=torch.float64)
-    context, weights = simple_attention(x, return_weights=True)
+    context, weights = simple_attention(x, return_attn_weights=True)
     expected = torch.softmax(x @ x.transpose(1, 2), dim=-1)
     torch.testing.assert_close(weights, expected)
     torch.testing.assert_close(context, expected @ x)

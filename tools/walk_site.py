@@ -7,7 +7,8 @@ For every page in the sidebar, at 1280 px and at a 390 px phone width:
 - every internal link resolves to a page of the site, and every #anchor to an element on that page
   (links to the published site's own URL count as internal: nbdev writes its API links that way);
 - every image has loaded (naturalWidth > 0);
-- its maths is typeset (KaTeX or MathJax elements present, no raw \\( \\) left in the text);
+- its maths is typeset (KaTeX or MathJax elements present, no raw \\( \\) left in the text), also when the
+  landing page is opened from disk with the network blocked (the maths engine must come from the site itself);
 - at 1280 px, no code block or output is wider than its box (its text would be cut off until scrolled);
   it has previous/next links at the bottom, and no link to the site's own pages leaves the local build;
 - on the phone width, the body does not scroll sideways and nothing outside a scroll box is wider than it;
@@ -183,6 +184,17 @@ def walk(site: Path, chromium: str) -> int:
             pname, anchor = link.split('#')
             rep.count('api entries')
             rep.check(pname in ids and anchor in ids[pname], f'API entry {sym} -> {link} is on the site')
+
+        # opened from disk, as the README says: the maths engine must come from the site itself
+        ctx = browser.new_context(viewport={'width': 1280, 'height': 900})
+        ctx.route('**/*', lambda route: route.continue_() if route.request.url.startswith('file:') else route.abort())
+        page = ctx.new_page()
+        page.goto((site/'index.html').resolve().as_uri(), wait_until='load')
+        page.wait_for_timeout(1000)
+        f = page.evaluate(PAGE_FACTS, 1280)
+        rep.check(f['math'] > 0 and f['rawMath'] == 0,
+                  f'index.html opened from disk: maths typeset ({f["math"]} elements, {f["rawMath"]} raw)')
+        ctx.close()
 
         # the site search, as a reader uses it
         ctx = browser.new_context(viewport={'width': 1280, 'height': 900})

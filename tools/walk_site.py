@@ -20,7 +20,7 @@ The last line is `site: N passed, M failed`; the exit code is 1 on any failure.
 import argparse, http.server, importlib.util, json, os, re, socketserver, subprocess, sys, threading, time
 from functools import partial
 from pathlib import Path
-from urllib.parse import urldefrag, urljoin, urlparse
+from urllib.parse import unquote, urldefrag, urljoin, urlparse
 
 ROOT = Path(__file__).resolve().parents[1]
 WIDTHS = {'desktop': 1280, 'phone': 390}
@@ -169,6 +169,7 @@ def walk(site: Path, chromium: str) -> int:
                 target = local(link)
                 if not target: continue
                 url, anchor = urldefrag(target)
+                anchor = unquote(anchor)
                 pname = url[len(base):] or 'index.html'
                 rep.count('links')
                 if pname not in ids:
@@ -211,12 +212,13 @@ def walk(site: Path, chromium: str) -> int:
             hrefs = page.evaluate("""() => [...document.querySelectorAll(
                 '.smalldocs-search-results a[href], .aa-Panel a[href], .aa-List a[href], #quarto-search-results a[href]')]
                 .map(a => a.href)""")
-            hrefs = [h.split('?')[0] + ('#' + h.split('#', 1)[1] if '#' in h else '') for h in hrefs]  # Quarto adds ?q=
+            hrefs = [re.sub(r'\?[^#]*', '', h) for h in hrefs]  # Quarto adds ?q=<query> to its result links
             found = {urldefrag(h)[0].rsplit('/', 1)[-1] for h in hrefs}
             rep.check(bool(hrefs), f'search "{query}" returns results')
             rep.check(expected <= found, f'search "{query}" links to {sorted(expected)} (got {sorted(found)[:8]})')
             for h in hrefs:
                 url, anchor = urldefrag(local(h) or h)
+                anchor = unquote(anchor)
                 pname = url[len(base):] if url.startswith(base) else None
                 rep.check(pname in ids and (not anchor or anchor in ids[pname]), f'search result {h} resolves')
             box.fill('')

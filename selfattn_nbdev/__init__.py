@@ -5,18 +5,20 @@ __version__ = "0.1.0"
 
 # %% auto #0
 __all__ = ['SelfAttention', 'check_tokens', 'check_size', 'check_dropout', 'check_context', 'softmax_stable', 'simple_attention',
-           'SelfAttentionV1', 'SelfAttentionV2', 'CausalAttention', 'leaks_future', 'MultiHeadAttentionWrapper',
-           'MultiHeadAttention', 'to_torch_multihead']
+           'SelfAttentionV1', 'SelfAttentionV2', 'causal_mask', 'CausalAttention', 'leaks_future', 'check_heads',
+           'MultiHeadAttentionWrapper', 'MultiHeadAttention', 'to_torch_multihead']
 
 # %% ../nbs/index.ipynb #e26eca70
 from .core import SelfAttention, check_tokens, check_size
 from .simple import softmax_stable, simple_attention
 from .trainable import SelfAttentionV1, SelfAttentionV2
-from .causal import check_dropout, check_context, CausalAttention, leaks_future
-from .multihead import (MultiHeadAttentionWrapper, MultiHeadAttention,
+from .causal import (check_dropout, check_context, causal_mask, CausalAttention,
+                                   leaks_future)
+from .multihead import (check_heads, MultiHeadAttentionWrapper, MultiHeadAttention,
                                       to_torch_multihead)
 
 _all_ = ['SelfAttention', 'check_tokens', 'check_size', 'check_dropout', 'check_context',
          'softmax_stable', 'simple_attention', 'SelfAttentionV1', 'SelfAttentionV2',
-         'CausalAttention', 'leaks_future', 'MultiHeadAttentionWrapper', 'MultiHeadAttention',
+         'causal_mask', 'CausalAttention', 'leaks_future', 'check_heads', 'MultiHeadAttentionWrapper',
+         'MultiHeadAttention',
          'to_torch_multihead']

@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .causal import CausalAttention
 from .core import check_size, check_tokens
-from .causal import check_context, check_dropout
+from .causal import (CausalAttention, _load_without_saved_mask,
+                                   causal_mask, check_context, check_dropout)
 
 # %% ../nbs/04_multihead.ipynb #1176acd3
 def check_heads(
@@ -56,13 +56,14 @@ class MultiHeadAttentionWrapper(nn.Module):
 # %% ../nbs/04_multihead.ipynb #7c5c1e65
 def _blocked_mask(
     num_tokens:int, # length of the sequences
-    causal_mask:Tensor|None, # the mask buffer, True = future; None if not causal
+    causal:bool,    # hide the future of every query
     key_padding_mask:Tensor|None, # bool (batch, num_tokens), True = padding; or None
+    device=None,    # where to build the mask
 ) -> Tensor|None: # bool, True = do not attend; None when nothing is blocked
     "Combine the causal mask and a key padding mask into one mask for all heads."
     blocked = None
-    if causal_mask is not None:
-        blocked = causal_mask[:num_tokens, :num_tokens][None, None]  # (1, 1, T, T)
+    if causal:
+        blocked = causal_mask(num_tokens, device)[None, None]        # (1, 1, T, T)
     if key_padding_mask is not None:
         padding = key_padding_mask[:, None, None, :]                 # (b, 1, 1, T)
         blocked = padding if blocked is None else blocked | padding  # (b, 1, T or 1, T)
@@ -113,9 +114,8 @@ class MultiHeadAttention(nn.Module):
         self.W_value = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.out_proj = nn.Linear(d_out, d_out)
         self.dropout = nn.Dropout(dropout)
-        ones = torch.ones(context_length, context_length, dtype=torch.bool)
-        mask = torch.triu(ones, diagonal=1)  # (context_length, context_length)
-        self.register_buffer('mask', mask, persistent=False)  # True = future = hidden
+
+    _load_from_state_dict = _load_without_saved_mask  # old checkpoints saved a `mask`
 
     def _split_heads(self,
                      t:Tensor, # a projection, (b, num_tokens, d_out)
@@ -138,8 +138,8 @@ class MultiHeadAttention(nn.Module):
                key_padding_mask:Tensor|None, # bool (b, num_tokens), True = padding
               ) -> tuple: # blocked (b or 1, 1, T, T) or None; dead (b, 1, T, 1) or None
         "The mask `blocked` (True = do not attend) and the `dead` rows (no key left)."
-        causal_mask = self.mask if self.causal else None
-        blocked = _blocked_mask(num_tokens, causal_mask, key_padding_mask)
+        device = self.W_query.weight.device
+        blocked = _blocked_mask(num_tokens, self.causal, key_padding_mask, device)
         if key_padding_mask is None: return blocked, None
         dead = blocked.all(dim=-1, keepdim=True)  # (b, 1, T, 1): every key blocked
         return blocked & ~dead, dead              # dead rows may attend; zeroed later
@@ -212,21 +212,21 @@ class MultiHeadAttention(nn.Module):
 
 # %% ../nbs/04_multihead.ipynb #dbd683b0
 def to_torch_multihead(
-    m:MultiHeadAttention, # a module with d_in == d_out and qkv_bias=True
+    m:MultiHeadAttention, # a module with d_in == d_out (nn.MultiheadAttention's shape)
 ) -> nn.MultiheadAttention: # PyTorch's module (batch_first=True), same function
-    "An `nn.MultiheadAttention` with the weights of `m`; give it `m.mask` as attn_mask."
-    if m.d_in != m.d_out or m.W_query.bias is None:
-        raise ValueError(
-            f"nn.MultiheadAttention needs d_in == d_out and biases on the projections; "
-            f"got d_in={m.d_in}, d_out={m.d_out}, "
-            f"qkv_bias={m.W_query.bias is not None}")
+    "`nn.MultiheadAttention` with the weights of `m`; mask: `causal_mask(T)`."
+    if m.d_in != m.d_out:
+        raise ValueError(f"nn.MultiheadAttention needs d_in == d_out; "
+                         f"got d_in={m.d_in}, d_out={m.d_out}")
     device, dtype = m.out_proj.weight.device, m.out_proj.weight.dtype
     ref = nn.MultiheadAttention(m.d_out, m.num_heads, dropout=m.dropout.p, bias=True,
                                 batch_first=True, device=device, dtype=dtype)
+    projections = [m.W_query, m.W_key, m.W_value]
+    no_bias = torch.zeros(m.d_out, device=device, dtype=dtype)  # qkv_bias=False
     with torch.no_grad():
-        in_proj = [m.W_query.weight, m.W_key.weight, m.W_value.weight]
+        in_proj = [p.weight for p in projections]
         ref.in_proj_weight.copy_(torch.cat(in_proj))  # (3 d_out, d_in)
-        in_bias = [m.W_query.bias, m.W_key.bias, m.W_value.bias]
+        in_bias = [no_bias if p.bias is None else p.bias for p in projections]
         ref.in_proj_bias.copy_(torch.cat(in_bias))    # (3 d_out,)
         ref.out_proj.weight.copy_(m.out_proj.weight)
         ref.out_proj.bias.copy_(m.out_proj.bias)

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from selfattn_nbdev import (CausalAttention, MultiHeadAttention, SelfAttention, simple_attention, softmax_stable,
+from selfattn_nbdev import (CausalAttention, MultiHeadAttention, SelfAttention, causal_mask, simple_attention, softmax_stable,
                             to_torch_multihead)
 from selfattn_nbdev.training import VOCAB, BankSenseClassifier, make_bank_sentences, train_classifier
 
@@ -65,7 +65,15 @@ def test_reprs_name_the_sizes():
 
 
 def test_to_torch_multihead_refuses_what_it_cannot_express():
-    with pytest.raises(ValueError, match=r'got d_in=3, d_out=4, qkv_bias=True'):
+    with pytest.raises(ValueError, match=r'needs d_in == d_out; got d_in=3, d_out=4'):
         to_torch_multihead(MultiHeadAttention(3, 4, 8, qkv_bias=True))
-    with pytest.raises(ValueError, match=r'qkv_bias=False'):
-        to_torch_multihead(MultiHeadAttention(4, 4, 8))
+
+
+def test_to_torch_multihead_without_qkv_bias_uses_zero_biases():
+    torch.manual_seed(0)
+    m = MultiHeadAttention(4, 4, 8, num_heads=2).eval()
+    ref = to_torch_multihead(m)
+    assert torch.count_nonzero(ref.in_proj_bias) == 0
+    x = torch.randn(2, 5, 4)
+    theirs, _ = ref(x, x, x, attn_mask=causal_mask(5), need_weights=False)
+    torch.testing.assert_close(m(x), theirs)

@@ -1,0 +1,75 @@
+"""The causal mask costs nothing until it is used, and survives every way of building a module.
+
+A mask kept as a non-persistent buffer is neither saved nor restored: a module created on the `meta` device (as
+FSDP and large-model loading do), given storage with `to_empty` and filled from a state dict would have an
+arbitrary mask and see the future. These tests build every causal module that way and compare it with its source,
+on every path; they also check that nothing of size context_length² is allocated at construction and that the
+book's checkpoints, which carry a `mask` entry, load with strict=True."""
+import pytest
+import torch
+
+from selfattn_nbdev import CausalAttention, MultiHeadAttention, MultiHeadAttentionWrapper, causal_mask, leaks_future
+
+BUILDERS = {
+    'CausalAttention': lambda: CausalAttention(16, 16, 64),
+    'MultiHeadAttentionWrapper': lambda: MultiHeadAttentionWrapper(16, 16, 64, num_heads=2),
+    'MultiHeadAttention': lambda: MultiHeadAttention(16, 16, 64, num_heads=4),
+}
+PATHS = {  # name -> how to call a module of that kind
+    'fused': lambda m, x: m(x),
+    'explicit': lambda m, x: m(x, return_attn_weights=True)[0],
+    'padding': lambda m, x: m(x, key_padding_mask=torch.arange(x.shape[1]).expand(x.shape[0], -1) >= x.shape[1] - 2),
+}
+
+
+def _cases():
+    for name in BUILDERS:
+        for path in (PATHS if name == 'MultiHeadAttention' else ['fused']):
+            yield name, path
+
+
+@pytest.mark.parametrize('name,path', list(_cases()))
+def test_module_built_on_meta_device_stays_causal(name, path):
+    torch.manual_seed(0)
+    src = BUILDERS[name]().eval()
+    with torch.device('meta'):
+        m = BUILDERS[name]()
+    m = m.to_empty(device='cpu').eval()
+    m.load_state_dict(src.state_dict())
+    x = torch.randn(2, 12, 16)
+    call = PATHS[path]
+    assert torch.equal(call(m, x), call(src, x))
+    wrapped = type('Call', (torch.nn.Module,), {'forward': lambda self, x: call(m, x)})()
+    assert not any(leaks_future(wrapped, x, t) for t in (0, 5, 10))
+
+
+@pytest.mark.parametrize('name', list(BUILDERS))
+def test_no_buffer_grows_with_context_length(name):
+    m = BUILDERS[name]()
+    assert [n for n, _ in m.named_buffers()] == []
+    assert all(not k.endswith('mask') for k in m.state_dict())
+
+
+def test_long_context_costs_nothing_at_construction():
+    m = MultiHeadAttention(d_in=64, d_out=64, context_length=131072, num_heads=4)
+    assert list(m.buffers()) == []
+    assert sum(p.numel() for p in m.parameters()) == 4 * 64 * 64 + 64
+
+
+@pytest.mark.parametrize('name', ['CausalAttention', 'MultiHeadAttention'])
+def test_book_checkpoint_with_mask_loads_strictly(name):
+    torch.manual_seed(0)
+    src = BUILDERS[name]()
+    checkpoint = {**src.state_dict(), 'mask': causal_mask(64)}
+    m = BUILDERS[name]()
+    m.load_state_dict(checkpoint, strict=True)
+    assert 'mask' in checkpoint                          # the caller's dict is left as it was
+    x = torch.randn(1, 5, 16)
+    assert torch.equal(m(x), src(x))
+    with pytest.raises(RuntimeError, match='Unexpected key'):
+        m.load_state_dict({**checkpoint, 'other': torch.zeros(1)}, strict=True)  # other extras still fail
+
+
+def test_causal_mask():
+    assert causal_mask(3).tolist() == [[False, True, True], [False, False, True], [False, False, False]]
+    assert causal_mask(0).shape == (0, 0)

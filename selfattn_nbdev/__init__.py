@@ -6,7 +6,7 @@ __version__ = "0.1.0"
 # %% auto #0
 __all__ = ['SelfAttention', 'check_tokens', 'check_size', 'check_dropout', 'check_context', 'softmax_stable', 'simple_attention',
            'SelfAttentionV1', 'SelfAttentionV2', 'causal_mask', 'CausalAttention', 'leaks_future', 'check_heads',
-           'MultiHeadAttentionWrapper', 'MultiHeadAttention', 'to_torch_multihead']
+           'MultiHeadAttentionWrapper', 'MultiHeadAttention', 'KVCache', 'to_torch_multihead']
 
 # %% ../nbs/index.ipynb #e26eca70
 from .core import SelfAttention, check_tokens, check_size
@@ -15,10 +15,9 @@ from .trainable import SelfAttentionV1, SelfAttentionV2
 from .causal import (check_dropout, check_context, causal_mask, CausalAttention,
                                    leaks_future)
 from .multihead import (check_heads, MultiHeadAttentionWrapper, MultiHeadAttention,
-                                      to_torch_multihead)
+                                      KVCache, to_torch_multihead)
 
 _all_ = ['SelfAttention', 'check_tokens', 'check_size', 'check_dropout', 'check_context',
          'softmax_stable', 'simple_attention', 'SelfAttentionV1', 'SelfAttentionV2',
          'causal_mask', 'CausalAttention', 'leaks_future', 'check_heads', 'MultiHeadAttentionWrapper',
-         'MultiHeadAttention',
-         'to_torch_multihead']
+         'MultiHeadAttention', 'KVCache', 'to_torch_multihead']

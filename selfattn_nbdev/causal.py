@@ -32,12 +32,14 @@ def check_context(
 
 # %% ../nbs/03_causal.ipynb #6771c0e5
 def causal_mask(
-    num_tokens:int,  # the sequence length T
+    num_tokens:int,  # the number of queries T, the last T positions of the sequence
     device=None,     # where to build it: the device of the scores it will mask
-) -> Tensor:  # bool (num_tokens, num_tokens): True above the diagonal, the future
-    "The causal mask: `True` where key j lies in the future of query i (j > i)."
-    ones = torch.ones(num_tokens, num_tokens, dtype=torch.bool, device=device)
-    return ones.triu(diagonal=1)
+    num_keys:int|None=None,  # keys, when earlier ones are cached (default: num_tokens)
+) -> Tensor:  # bool (num_tokens, num_keys): True where the key is in the query's future
+    "The causal mask: `True` where key j lies in the future of query i."
+    num_keys = num_tokens if num_keys is None else num_keys
+    ones = torch.ones(num_tokens, num_keys, dtype=torch.bool, device=device)
+    return ones.triu(diagonal=num_keys - num_tokens + 1)  # (num_tokens, num_keys)
 
 # %% ../nbs/03_causal.ipynb #34f862d8
 def _load_without_saved_mask(self, state_dict, prefix, *args):

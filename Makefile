@@ -34,9 +34,10 @@ test-quick: $(INSTALLED) ## the same, without notebook cells flagged slow
 test-site: $(INSTALLED) ## build the site, serve it on 127.0.0.1 and walk every page in headless Chromium
 	$(PY) tools/walk_site.py --build
 
-bench: $(INSTALLED) ## time and measure the attention paths against PyTorch's (~10 min); refreshes the Performance page
+bench: $(INSTALLED) ## time the attention paths against PyTorch's and generation with/without the KV cache (~5 min)
 	$(PY) bench/benchmark.py
-	$(PY) tools/run_notebook.py nbs/06_performance.ipynb
+	$(PY) bench/generation.py
+	$(PY) tools/run_notebook.py nbs/07_performance.ipynb
 
 run: $(INSTALLED) ## run notebooks and save their outputs: make run NB="nbs/03_causal.ipynb nbs/04_multihead.ipynb"
 	$(PY) tools/run_notebook.py $(NB)

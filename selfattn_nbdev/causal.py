@@ -11,7 +11,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from .core import check_size, check_tokens
+from .core import check_flag, check_size, check_tokens
 
 # %% ../nbs/03_causal.ipynb #abca7e3a
 def check_dropout(p) -> None:
@@ -61,6 +61,7 @@ class CausalAttention(nn.Module):
         super().__init__()
         check_size(d_in, 'd_in'); check_size(d_out, 'd_out')
         check_size(context_length, 'context_length'); check_dropout(dropout)
+        check_flag(qkv_bias, 'qkv_bias')
         self.d_in, self.d_out, self.context_length = d_in, d_out, context_length
         self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.W_key = nn.Linear(d_in, d_out, bias=qkv_bias)
@@ -79,7 +80,8 @@ class CausalAttention(nn.Module):
                 return_attn_weights:bool=False, # also return the attention weights
                ) -> Tensor: # context vectors (..., num_tokens, d_out) [and the weights]
         "Context vectors of `x` in which token i mixes the values of tokens 1..i only."
-        check_tokens(x, self.d_in, self.W_query.weight.dtype)
+        weight = self.W_query.weight
+        check_tokens(x, self.d_in, weight.dtype, weight.device)
         num_tokens = x.shape[-2]
         check_context(num_tokens, self.context_length)
         queries = self.W_query(x)                       # (..., num_tokens, d_out)
@@ -108,15 +110,21 @@ def leaks_future(
     atol:float=1e-6, # how far a past output or gradient may move before it is a leak
 ) -> bool: # True when the future influenced the past
     "Whether changing the tokens after `t` changes the outputs or gradients at <= `t`."
+    num_tokens = x.shape[-2]
+    if not 0 <= t < num_tokens - 1:  # t = T - 1 has no future: nothing could leak
+        raise ValueError(f"t must leave a future to perturb: 0 <= t < num_tokens - 1 = "
+                         f"{num_tokens - 1}; got t={t}")
+    def past(inputs):  # a module may return (outputs, weights): keep the outputs
+        out = module(inputs)
+        return (out[0] if isinstance(out, tuple) else out)[..., :t + 1, :]
     x = x.detach().clone().requires_grad_(True)
     x_changed = x.detach().clone()
     x_changed[..., t + 1:, :] += torch.randn_like(x_changed[..., t + 1:, :])
     x_changed.requires_grad_(True)
-    past = module(x)[..., :t + 1, :]                  # (..., t + 1, d_out)
-    past_changed = module(x_changed)[..., :t + 1, :]  # (..., t + 1, d_out)
-    grad, = torch.autograd.grad(past.sum(), x)        # (..., num_tokens, d_in)
+    past_out, past_changed = past(x), past(x_changed)   # (..., t + 1, d_out)
+    grad, = torch.autograd.grad(past_out.sum(), x)      # (..., num_tokens, d_in)
     grad_changed, = torch.autograd.grad(past_changed.sum(), x_changed)
-    same = (torch.allclose(past, past_changed, atol=atol)
+    same = (torch.allclose(past_out, past_changed, atol=atol)
             and torch.allclose(grad, grad_changed, atol=atol))
     # what the past outputs send back to the future tokens: must be 0
     future_grad = grad[..., t + 1:, :].abs().sum()

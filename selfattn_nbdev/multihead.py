@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .core import check_size, check_tokens
+from .core import check_flag, check_size, check_tokens
 from .causal import (CausalAttention, _load_without_saved_mask,
                                    causal_mask, check_context, check_dropout)
 
@@ -107,6 +107,7 @@ class MultiHeadAttention(nn.Module):
         super().__init__()
         check_size(d_in, 'd_in'); check_size(d_out, 'd_out')
         check_size(context_length, 'context_length')
+        check_flag(qkv_bias, 'qkv_bias'); check_flag(causal, 'causal')
         check_heads(d_out, num_heads); check_dropout(dropout)
         self.d_in, self.d_out, self.context_length = d_in, d_out, context_length
         self.num_heads, self.head_dim = num_heads, d_out // num_heads
@@ -195,7 +196,8 @@ class MultiHeadAttention(nn.Module):
                 cache=None, # a `KVCache` for generation: x holds only the new tokens
                ) -> Tensor: # context vectors (..., num_tokens, d_out) [and the weights]
         "Project `x`, split into heads, attend, merge the heads, mix them (out_proj)."
-        check_tokens(x, self.d_in, self.W_query.weight.dtype)
+        weight = self.W_query.weight
+        check_tokens(x, self.d_in, weight.dtype, weight.device)
         _check_padding_mask(key_padding_mask, x)
         unbatched = x.dim() == 2
         if unbatched:  # one sequence: add a batch axis of 1, removed at the end

@@ -11,7 +11,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from .core import check_size, check_tokens
+from .core import check_flag, check_size, check_tokens
 
 # %% ../nbs/02_trainable.ipynb #703fccd0
 class SelfAttentionV1(nn.Module):
@@ -33,7 +33,7 @@ class SelfAttentionV1(nn.Module):
                 return_attn_weights:bool=False, # also return the weights α
                ) -> Tensor: # context vectors, (..., num_tokens, d_out) [and α]
         "One context vector per token: the values averaged with softmax(QKᵀ / √d_k)."
-        check_tokens(x, self.d_in, self.W_query.dtype)
+        check_tokens(x, self.d_in, self.W_query.dtype, self.W_query.device)
         queries = x @ self.W_query                      # (..., num_tokens, d_out)
         keys = x @ self.W_key                           # (..., num_tokens, d_out)
         values = x @ self.W_value                       # (..., num_tokens, d_out)
@@ -58,6 +58,7 @@ class SelfAttentionV2(nn.Module):
         "Build the three `nn.Linear` projections, in the order query, key, value."
         super().__init__()
         check_size(d_in, 'd_in'); check_size(d_out, 'd_out')
+        check_flag(qkv_bias, 'qkv_bias')
         self.d_in, self.d_out = d_in, d_out
         self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)  # .weight: (d_out, d_in)
         self.W_key = nn.Linear(d_in, d_out, bias=qkv_bias)
@@ -68,7 +69,8 @@ class SelfAttentionV2(nn.Module):
                 return_attn_weights:bool=False, # also return the weights α
                ) -> Tensor: # context vectors, (..., num_tokens, d_out) [and α]
         "One context vector per token: the values averaged with softmax(QKᵀ / √d_k)."
-        check_tokens(x, self.d_in, self.W_query.weight.dtype)
+        weight = self.W_query.weight
+        check_tokens(x, self.d_in, weight.dtype, weight.device)
         queries = self.W_query(x)                       # (..., num_tokens, d_out)
         keys = self.W_key(x)                            # (..., num_tokens, d_out)
         values = self.W_value(x)                        # (..., num_tokens, d_out)

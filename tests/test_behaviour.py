@@ -153,3 +153,37 @@ def test_padding_mask_for_2d_input():
     torch.testing.assert_close(m(x, key_padding_mask=pad), m(x[None], key_padding_mask=pad[None])[0])
     with pytest.raises(ValueError, match=r'must have shape \(num_tokens,\) = \(6,\); got \(1, 6\)'):
         m(x, key_padding_mask=pad[None])
+
+
+# Inputs that used to be accepted silently or rejected with an unclear message.
+FLAG_MODULES = {
+    'SelfAttentionV2': lambda **kw: SelfAttentionV2(4, 4, **kw),
+    'CausalAttention': lambda **kw: CausalAttention(4, 4, 8, **kw),
+    'MultiHeadAttentionWrapper': lambda **kw: MultiHeadAttentionWrapper(4, 4, 8, num_heads=2, **kw),
+    'MultiHeadAttention': lambda **kw: MultiHeadAttention(4, 4, 8, num_heads=2, **kw),
+}
+
+
+@pytest.mark.parametrize('name', list(FLAG_MODULES))
+def test_switches_must_be_booleans(name):
+    with pytest.raises(TypeError, match="qkv_bias must be True or False; got 'no'"):
+        FLAG_MODULES[name](qkv_bias='no')
+
+
+def test_causal_must_be_a_boolean():
+    with pytest.raises(TypeError, match="causal must be True or False; got 'False'"):
+        MultiHeadAttention(4, 4, 8, causal='False')
+
+
+def test_numpy_integers_are_sizes():
+    np = pytest.importorskip('numpy')
+    m = MultiHeadAttention(np.int64(4), np.int64(4), np.int64(8), num_heads=np.int64(2))
+    assert m(torch.randn(2, 3, 4)).shape == (2, 3, 4)
+
+
+@pytest.mark.parametrize('name', ['SelfAttention', 'SelfAttentionV1', 'SelfAttentionV2', 'CausalAttention',
+                                  'MultiHeadAttention'])
+def test_device_mismatch_is_named(name):
+    m = make(name, 4, 4)
+    with pytest.raises(ValueError, match="x is on device meta but the module's weights are on cpu"):
+        m(torch.randn(2, 3, 4, device='meta', dtype=torch.float64))

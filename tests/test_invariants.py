@@ -39,8 +39,9 @@ def test_permutation_equivariance(name, data):
 def test_future_never_changes_the_past(name, data, cut):
     "Changing tokens after position t changes neither the outputs at positions <= t nor their gradients."
     x, seed = data
+    if x.shape[1] < 2: return  # one token has no future to perturb
     torch.manual_seed(seed)
-    assert not leaks_future(make(name, 4, 4), x, min(cut, x.shape[1] - 1), atol=1e-9)
+    assert not leaks_future(make(name, 4, 4), x, min(cut, x.shape[1] - 2), atol=1e-9)
 
 
 @pytest.mark.parametrize('causal', [True, False])

@@ -252,17 +252,26 @@ def to_torch_multihead(
 # %% ../nbs/04_multihead.ipynb #f0cb29a2
 class KVCache:
     "Keys and values of every token a `MultiHeadAttention` has seen, for generation."
-    def __init__(self):
-        self.keys: Tensor|None = None    # (b, num_heads, num_seen, head_dim)
-        self.values: Tensor|None = None  # (b, num_heads, num_seen, head_dim)
-
-    def __len__(self) -> int:
-        "The number of tokens cached."
-        return 0 if self.keys is None else self.keys.shape[2]
+    def __init__(self): self.reset()
 
     def reset(self) -> None:
         "Forget every cached token, to start a new sequence."
-        self.keys = self.values = None
+        self._keys = self._values = None  # storage, (b, num_heads, capacity, head_dim)
+        self._length = 0                  # how many positions of it hold tokens
+
+    def __len__(self) -> int:
+        "The number of tokens cached."
+        return self._length
+
+    @property
+    def keys(self) -> Tensor|None: # (b, num_heads, num_seen, head_dim)
+        "The cached keys."
+        return None if self._keys is None else self._keys[:, :, :self._length]
+
+    @property
+    def values(self) -> Tensor|None: # (b, num_heads, num_seen, head_dim)
+        "The cached values."
+        return None if self._values is None else self._values[:, :, :self._length]
 
     def check_new_tokens(self,
                          x:Tensor, # the new tokens, (b, num_tokens, d_in)
@@ -289,15 +298,23 @@ class KVCache:
                values:Tensor, # their values, the same shape
               ) -> tuple: # keys and values of every token so far, (b, h, seen + T, hd)
         "Add the new tokens' keys and values; return those of all tokens seen."
-        if self.keys is None:
-            self.keys, self.values = keys, values
-            return keys, values
-        if self.keys.shape[1::2] != keys.shape[1::2] or self.keys.dtype != keys.dtype:
+        stored = self._keys
+        if stored is not None and (stored.shape[1::2] != keys.shape[1::2]
+                                   or stored.dtype != keys.dtype):  # heads, head_dim
             raise ValueError(f"this cache holds keys of shape {tuple(self.keys.shape)} "
-                             f"and {self.keys.dtype}; got {tuple(keys.shape)} and "
+                             f"and {stored.dtype}; got {tuple(keys.shape)} and "
                              f"{keys.dtype}: use one cache per module")
-        self.keys = torch.cat([self.keys, keys], dim=2)        # (b, h, seen + T, hd)
-        self.values = torch.cat([self.values, values], dim=2)  # (b, h, seen + T, hd)
-        return self.keys, self.values
+        end = self._length + keys.shape[2]
+        if stored is None or end > stored.shape[2]:  # full: double the capacity
+            capacity = max(end, 2 * (0 if stored is None else stored.shape[2]), 16)
+            shape = (*keys.shape[:2], capacity, keys.shape[3])
+            new_keys, new_values = keys.new_empty(shape), values.new_empty(shape)
+            new_keys[:, :, :self._length] = self.keys if stored is not None else 0
+            new_values[:, :, :self._length] = self.values if stored is not None else 0
+            self._keys, self._values = new_keys, new_values
+        self._keys[:, :, self._length:end] = keys          # (b, h, capacity, hd)
+        self._values[:, :, self._length:end] = values
+        self._length = end
+        return self.keys, self.values                      # (b, h, seen + T, hd)
 
     def __repr__(self): return f"KVCache({len(self)} tokens)"

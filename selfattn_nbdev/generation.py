@@ -68,7 +68,7 @@ class TransformerBlock(nn.Module):
 
     def forward(self,
                 x:Tensor,   # token vectors, (b, num_tokens, d_model)
-                cache=None, # this block's `KVCache`, when generating
+                cache=None, # this block's KVCache, when generating
                ) -> Tensor: # (b, num_tokens, d_model)
         "Attend to the earlier tokens, then transform each token; add both to `x`."
         x = x + self.attn(self.norm1(x), cache=cache)  # (b, num_tokens, d_model)

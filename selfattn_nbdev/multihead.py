@@ -193,7 +193,7 @@ class MultiHeadAttention(nn.Module):
                 x:Tensor, # tokens, (num_tokens, d_in) or (batch, num_tokens, d_in)
                 key_padding_mask:Tensor|None=None, # bool, x.shape[:-1]; True = padding
                 return_attn_weights:bool=False, # explicit path; also return the weights
-                cache=None, # a `KVCache` for generation: x holds only the new tokens
+                cache=None, # a KVCache, for generation: x holds only the new tokens
                ) -> Tensor: # context vectors (..., num_tokens, d_out) [and the weights]
         "Project `x`, split into heads, attend, merge the heads, mix them (out_proj)."
         weight = self.W_query.weight

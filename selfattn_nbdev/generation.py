@@ -115,7 +115,7 @@ class TinyGPT(nn.Module):
 
 # %% ../nbs/05_generation.ipynb #e4841686
 def train_tiny_gpt(
-    model:TinyGPT,
+    model:TinyGPT,       # the model to train, in place
     data:Tensor,         # the token ids of the training text, (n,)
     steps:int=300,       # optimiser steps
     block_size:int=64,   # characters per training window
@@ -145,7 +145,7 @@ def train_tiny_gpt(
 # %% ../nbs/05_generation.ipynb #18af63e5
 @torch.no_grad()
 def generate(
-    model:TinyGPT,
+    model:TinyGPT,       # a trained model
     prompt_ids:Tensor,   # (b, num_tokens): the prompt of each sequence
     max_new_tokens:int,  # how many tokens to add
     use_cache:bool=True, # keep keys and values (fast) or recompute every prefix

@@ -5,7 +5,7 @@
 For every page in the sidebar, at 1280 px and at a 390 px phone width:
 - it loads, with no JavaScript error of its own (requests to other hosts that fail are listed, not failed);
 - every internal link resolves to a page of the site, and every #anchor to an element on that page
-  (links to the published site's own URL count as internal: nbdev writes its API links that way);
+  (links to the published site's own URL are resolved too, but a local build must have none: see below);
 - every image has loaded (naturalWidth > 0);
 - its maths is typeset (KaTeX or MathJax elements present, no raw \\( \\) left in the text), also when the
   landing page is opened from disk with the network blocked (the maths engine must come from the site itself);
@@ -91,10 +91,10 @@ PAGE_FACTS = """(VIEWPORT) => {
   const boxes = [...document.querySelectorAll('main pre, #quarto-document-content pre')].filter(e => e.clientWidth > 0);
   const clipped = boxes.filter(e => e.scrollWidth > e.clientWidth + 1)
     .map(e => `${e.scrollWidth}>${e.clientWidth}px: ${e.innerText.split('\\n').sort((a, b) => b.length - a.length)[0].slice(0, 60)}`);
-  const widestCode = Math.max(0, ...boxes.map(e => e.scrollWidth));
+  const widest = boxes.reduce((w, e) => e.scrollWidth > w[0] ? [e.scrollWidth, e.clientWidth] : w, [0, 0]);
   const pageNav = document.querySelectorAll('nav.page-navigation a[href]').length;
   return {links, images, ids, math, rawMath, sidebar, scrollWidth: document.documentElement.scrollWidth,
-          innerWidth: window.innerWidth, title: document.title, cutOff, clipped, widestCode, pageNav};
+          innerWidth: window.innerWidth, title: document.title, cutOff, clipped, widest, pageNav};
 }"""
 
 
@@ -150,7 +150,7 @@ def walk(site: Path, chromium: str) -> int:
                     for img in f['images']:
                         rep.count('images')
                         rep.check(img['w'] > 0, f'{name}: image loads: {img["src"][:80]} (naturalWidth {img["w"]})')
-                    widths[name] = [f['widestCode'], None]
+                    widths[name] = [f['widest'], None]
                 else:
                     widths.setdefault(name, [None, None])[1] = f['scrollWidth']
                     rep.check(f['scrollWidth'] <= width + 1,
@@ -226,8 +226,8 @@ def walk(site: Path, chromium: str) -> int:
         browser.close()
     server.shutdown()
 
-    print('\npage                widest code block at 1280 px   page width at 390 px')
-    for name, (code, phone) in widths.items(): print(f'{name:<20}{code!s:>10} px{phone!s:>26} px')
+    print('\npage                widest code text / its box at 1280 px   page width at 390 px')
+    for name, ((text, box), phone) in widths.items(): print(f'{name:<20}{text:>10} px / {box} px{phone!s:>22} px')
     print(f"\npages walked: {rep.counts.get('pages', 0)} (x{len(WIDTHS)} widths); links checked: {rep.counts.get('links', 0)}; "
           f"anchors: {rep.counts.get('anchors', 0)}; images: {rep.counts.get('images', 0)}; "
           f"API entries: {rep.counts.get('api entries', 0)}; searches: {rep.counts.get('searches', 0)}; "

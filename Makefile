@@ -37,7 +37,7 @@ test-site: $(INSTALLED) ## build the site, serve it on 127.0.0.1 and walk every 
 bench: $(INSTALLED) ## time the attention paths against PyTorch's and generation with/without the KV cache (~5 min)
 	$(PY) bench/benchmark.py
 	$(PY) bench/generation.py
-	$(PY) tools/run_notebook.py nbs/07_performance.ipynb
+	$(PY) tools/run_notebook.py nbs/09_performance.ipynb
 
 run: $(INSTALLED) ## run notebooks and save their outputs: make run NB="nbs/03_causal.ipynb nbs/04_multihead.ipynb"
 	$(PY) tools/run_notebook.py $(NB)

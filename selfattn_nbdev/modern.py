@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['repeat_kv', 'check_kv_heads', 'window_mask', 'check_window', 'rope_angles', 'rope_rotate', 'apply_rope', 'check_rope']
 
-# %% ../nbs/08_modern.ipynb #ddc1d422
+# %% ../nbs/08_modern.ipynb #e4b55d1a
 import numbers
 
 import torch
@@ -14,7 +14,7 @@ from torch import Tensor
 from .core import check_flag, check_size
 from .causal import causal_mask
 
-# %% ../nbs/08_modern.ipynb #fb65172a
+# %% ../nbs/08_modern.ipynb #bad67fae
 def repeat_kv(
     t:Tensor, # keys or values of the key/value heads, (b, num_kv_heads, T, head_dim)
     group_size:int, # query heads per key/value head: num_heads // num_kv_heads
@@ -22,7 +22,7 @@ def repeat_kv(
     "Give every query head its group's keys (or values): kv head g serves heads g*k..."
     return t if group_size == 1 else t.repeat_interleave(group_size, dim=1)
 
-# %% ../nbs/08_modern.ipynb #5b3d2c97
+# %% ../nbs/08_modern.ipynb #ddae84bd
 def check_kv_heads(
     num_heads:int, # query heads
     num_kv_heads:int, # key/value heads asked for
@@ -34,7 +34,7 @@ def check_kv_heads(
                          f"head serves the same number of query heads; got "
                          f"num_heads={num_heads}, num_kv_heads={num_kv_heads}")
 
-# %% ../nbs/08_modern.ipynb #08e1efee
+# %% ../nbs/08_modern.ipynb #485d476b
 def window_mask(
     num_tokens:int, # number of queries: the last num_tokens positions
     window:int, # a query sees the window most recent tokens, itself included
@@ -49,7 +49,7 @@ def window_mask(
     too_old = ones.tril(diagonal=offset - window)        # key j <= offset + i - window
     return causal_mask(num_tokens, device, num_keys) | too_old
 
-# %% ../nbs/08_modern.ipynb #2d047032
+# %% ../nbs/08_modern.ipynb #a3bcd307
 def check_window(
     window, # None, or how many recent tokens a query may see
     causal:bool, # whether the module hides the future
@@ -61,7 +61,7 @@ def check_window(
         raise ValueError(f"window={window} limits how far back a causal query looks; "
                          f"it needs causal=True")
 
-# %% ../nbs/08_modern.ipynb #b89ddfca
+# %% ../nbs/08_modern.ipynb #21c790c5
 def rope_angles(
     positions:Tensor, # integer positions of the tokens, (num_tokens,)
     head_dim:int, # size of the vectors to rotate (even)
@@ -78,7 +78,7 @@ def rope_angles(
     angles = torch.cat([angles, angles], dim=-1)                # (T, head_dim)
     return angles.cos(), angles.sin()
 
-# %% ../nbs/08_modern.ipynb #e4a2e887
+# %% ../nbs/08_modern.ipynb #09a48f4c
 def rope_rotate(
     x:Tensor, # queries or keys, (..., num_tokens, head_dim)
     cos:Tensor, # cos of each token's angles, (num_tokens, head_dim), from rope_angles
@@ -89,7 +89,7 @@ def rope_rotate(
     rotated_half = torch.cat([-second, first], dim=-1)          # (-x2, x1)
     return (x * cos + rotated_half * sin).to(x.dtype)
 
-# %% ../nbs/08_modern.ipynb #6a8c9ecf
+# %% ../nbs/08_modern.ipynb #4f0e44dd
 def apply_rope(
     x:Tensor, # queries or keys, (..., num_tokens, head_dim)
     positions:Tensor, # the position of each token, (num_tokens,)
@@ -99,7 +99,7 @@ def apply_rope(
     dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     return rope_rotate(x, *rope_angles(positions, x.shape[-1], base, dtype))
 
-# %% ../nbs/08_modern.ipynb #ca1dd037
+# %% ../nbs/08_modern.ipynb #cda9ee74
 def check_rope(
     rope, # whether to rotate queries and keys
     base, # RoPE's base

@@ -34,11 +34,12 @@ test-quick: $(INSTALLED) ## the same, without notebook cells flagged slow
 test-site: $(INSTALLED) ## build the site, serve it on 127.0.0.1 and walk every page in headless Chromium
 	$(PY) tools/walk_site.py --build
 
-bench: $(INSTALLED) ## time the attention paths against PyTorch's, generation with/without the KV cache, the tiny GPT with GQA/window/RoPE (~15 min)
+bench: $(INSTALLED) ## time the attention paths against PyTorch's, generation with/without the KV cache, the tiny GPT with GQA/window/RoPE, tiled memory (~20 min)
 	$(PY) bench/benchmark.py
 	$(PY) bench/generation.py
 	$(PY) bench/modern.py
-	$(PY) tools/run_notebook.py nbs/08_modern.ipynb nbs/09_performance.ipynb
+	$(PY) bench/memory_tiled.py
+	$(PY) tools/run_notebook.py nbs/07_tiled.ipynb nbs/08_modern.ipynb nbs/09_performance.ipynb
 
 run: $(INSTALLED) ## run notebooks and save their outputs: make run NB="nbs/03_causal.ipynb nbs/04_multihead.ipynb"
 	$(PY) tools/run_notebook.py $(NB)

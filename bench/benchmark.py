@@ -10,7 +10,14 @@ d_in = d_out = 256, 4 heads, no dropout) at every num_tokens T:
 - `explicit`: `MultiHeadAttention(..., return_attn_weights=True)` (scores, mask, softmax, weighted sum);
 - `wrapper`: `MultiHeadAttentionWrapper` (4 `CausalAttention` heads; no output projection);
 - `reference`: the same projections + `F.scaled_dot_product_attention(..., is_causal=True)` + the same out_proj;
-- `torch_mha`: `nn.MultiheadAttention(batch_first=True)` with a causal mask and `need_weights=False`.
+- `torch_mha`: `nn.MultiheadAttention(batch_first=True)` with a causal mask and `need_weights=False`;
+- `torch_mha_causal`: the same called as its documentation recommends for a causal mask: the mask *and*
+  `is_causal=True` (a hint that lets it skip reading the mask);
+- `fused_qkv`: the package's fast path with the three projections fused into one matrix product (the weights
+  concatenated at every call, so that the module's state-dict names could stay as they are).
+
+Forward timings run the modules in eval mode under `torch.no_grad()` (where `nn.MultiheadAttention` takes its
+fused inference path); forward+backward timings run them in training mode (dropout is 0 either way).
 
 All share one set of weights and are first checked against `reference` on a small input (abort if any is off
 by more than 1e-5). Timing alternates the implementations inside every repetition (in a new random order each time, so that
@@ -31,11 +38,11 @@ sys.path.insert(0, str(ROOT))
 from selfattn_nbdev import MultiHeadAttention, MultiHeadAttentionWrapper, to_torch_multihead  # noqa: E402
 
 BATCH, D, HEADS = 2, 256, 4
-IMPLS = ['fast', 'explicit', 'wrapper', 'reference', 'torch_mha']
+IMPLS = ['fast', 'explicit', 'wrapper', 'reference', 'torch_mha', 'torch_mha_causal', 'fused_qkv']
 
 
-def build(context_length: int, seed: int = 0) -> dict:
-    "The five implementations, sharing one set of weights; each maps x (b, T, D) -> (b, T, D) (wrapper: no out_proj)."
+def build(context_length: int, seed: int = 0, training: bool = False) -> dict:
+    "The implementations, sharing one set of weights; each maps x (b, T, D) -> (b, T, D) (wrapper: no out_proj)."
     torch.manual_seed(seed)
     mha = MultiHeadAttention(D, D, context_length, num_heads=HEADS, qkv_bias=True).eval()
     wrapper = MultiHeadAttentionWrapper(D, D, context_length, num_heads=HEADS, qkv_bias=True).eval()
@@ -46,7 +53,17 @@ def build(context_length: int, seed: int = 0) -> dict:
                 getattr(head, name).weight.copy_(getattr(mha, name).weight[h * hd:(h + 1) * hd])
                 getattr(head, name).bias.copy_(getattr(mha, name).bias[h * hd:(h + 1) * hd])
     torch_mha = to_torch_multihead(mha)
+    for m in [mha, wrapper, torch_mha]: m.train(training)
     causal_mask = torch.ones(context_length, context_length, dtype=torch.bool).triu(1)
+
+    def fused_qkv(x):
+        "One matrix product for the three projections, then the same kernel and out_proj."
+        b, T, _ = x.shape
+        weight = torch.cat([mha.W_query.weight, mha.W_key.weight, mha.W_value.weight])  # (3D, D)
+        bias = torch.cat([mha.W_query.bias, mha.W_key.bias, mha.W_value.bias])
+        q, k, v = F.linear(x, weight, bias).view(b, T, 3, HEADS, hd).permute(2, 0, 3, 1, 4)
+        ctx = F.scaled_dot_product_attention(q, k, v, is_causal=True)     # (b, heads, T, hd)
+        return mha.out_proj(ctx.transpose(1, 2).reshape(b, T, D))
 
     def reference(x, out_proj=True):
         b, T, _ = x.shape
@@ -61,6 +78,9 @@ def build(context_length: int, seed: int = 0) -> dict:
         'wrapper': wrapper,
         'reference': reference,
         'torch_mha': lambda x: torch_mha(x, x, x, attn_mask=causal_mask[:x.shape[1], :x.shape[1]], need_weights=False)[0],
+        'torch_mha_causal': lambda x: torch_mha(x, x, x, attn_mask=causal_mask[:x.shape[1], :x.shape[1]],
+                                                need_weights=False, is_causal=True)[0],
+        'fused_qkv': fused_qkv,
         '_reference_without_out_proj': lambda x: reference(x, out_proj=False),
         '_params': list(mha.parameters()) + list(wrapper.parameters()) + list(torch_mha.parameters()),
     }
@@ -96,7 +116,7 @@ def _quartiles(values):
 
 
 def time_all(T: int, reps: int, backward: bool, warmup: int) -> dict:
-    impls = build(T)
+    impls = build(T, training=backward)
     x = torch.randn(BATCH, T, D, requires_grad=backward)
     params = impls['_params']
     times = {name: [] for name in IMPLS}

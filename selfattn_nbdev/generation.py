@@ -84,9 +84,9 @@ class TinyGPT(nn.Module):
                  d_model:int=64,     # the size of every token vector
                  num_heads:int=4,    # attention heads per block
                  num_layers:int=2,   # transformer blocks
-                 num_kv_heads:int|None=None, # key/value heads per block (None: num_heads)
+                 num_kv_heads:int|None=None, # key/value heads (None: num_heads)
                  window:int|None=None, # each token sees only the window latest tokens
-                 rope:bool=False, # rotary positions in attention, no position embeddings
+                 rope:bool=False, # rotary positions in attention, no pos_emb
                 ):
         super().__init__()
         self.context_length = context_length

@@ -245,8 +245,8 @@ class MultiHeadAttention(nn.Module):
             cos, sin = self._rope_table(seen + x.shape[1], queries)  # (positions, hd)
             cos, sin = cos[seen:seen + x.shape[1]], sin[seen:seen + x.shape[1]]
             queries, keys = rope_rotate(queries, cos, sin), rope_rotate(keys, cos, sin)
-        if cache is not None:  # the keys and values of every token still in reach
-            keys, values = cache.append(keys, values, self.window)  # (b, kv, kept+T, hd)
+        if cache is not None:  # tokens in reach: (b, kv, kept + T, hd)
+            keys, values = cache.append(keys, values, self.window)
         if return_attn_weights:
             context, attn_weights = self._attend_explicit(queries, keys, values,
                                                           key_padding_mask)
@@ -259,7 +259,8 @@ class MultiHeadAttention(nn.Module):
 
     def extra_repr(self) -> str:
         "The sizes shown when the module is printed."
-        extras = [f"num_kv_heads={self.num_kv_heads}"] * (self.num_kv_heads != self.num_heads)
+        shared = self.num_kv_heads != self.num_heads
+        extras = [f"num_kv_heads={self.num_kv_heads}"] * shared
         extras += [f"window={self.window}"] * (self.window is not None)
         extras += [f"rope=True, rope_base={self.rope_base:g}"] * self.rope
         return ", ".join([f"d_in={self.d_in}, d_out={self.d_out}",
@@ -312,7 +313,8 @@ class KVCache:
     @property
     def values(self) -> Tensor|None: # (b, num_kv_heads, len(self), head_dim)
         "The cached values."
-        return None if self._values is None else self._values[:, :, self._start:self._end]
+        if self._values is None: return None
+        return self._values[:, :, self._start:self._end]
 
     def check_new_tokens(self,
                          x:Tensor, # the new tokens, (b, num_tokens, d_in)
@@ -338,7 +340,7 @@ class KVCache:
                keys:Tensor,   # the new tokens' keys, (b, num_kv_heads, num_tokens, hd)
                values:Tensor, # their values, the same shape
                window:int|None=None, # keep only what a window this wide can see
-              ) -> tuple: # keys and values the new tokens attend to, (b, h, kept + T, hd)
+              ) -> tuple: # keys, values the new tokens attend to, (b, h, kept + T, hd)
         "Add the new tokens' keys and values; return those of every token in reach."
         stored = self._keys
         if stored is not None and (stored.shape[1::2] != keys.shape[1::2]
@@ -355,7 +357,8 @@ class KVCache:
             new_keys, new_values = keys.new_empty(shape), values.new_empty(shape)
             if kept:  # move the cached tokens to the front
                 new_keys[:, :, :kept], new_values[:, :, :kept] = self.keys, self.values
-            self._keys, self._values, self._start, self._end = new_keys, new_values, 0, kept
+            self._keys, self._values = new_keys, new_values
+            self._start, self._end = 0, kept
         self._keys[:, :, self._end:self._end + new] = keys      # (b, h, capacity, hd)
         self._values[:, :, self._end:self._end + new] = values
         self._end += new

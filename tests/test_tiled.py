@@ -3,7 +3,7 @@ with and without the causal mask, forward and gradients; the online softmax; the
 
 The notebook (nbs/07_tiled.ipynb) shows a few cases; this is the sweep. Lengths up to 33 are all tried, longer ones
 sampled around powers of two and up to 2,000; for each length, block sizes from 1 to beyond the length, as long as a
-call stays within 8 x 8 tiles (every tile costs a few dozen PyTorch calls), and the default, 64, at 1,000 and 2,000."""
+call stays within 4 x 4 tiles (every tile costs a few dozen PyTorch calls), and the default, 64, at 1,000."""
 import math, random
 
 import pytest
@@ -15,12 +15,12 @@ from selfattn_nbdev.tiled import online_softmax, online_softmax_step, tiled_atte
 
 TOL = {torch.float32: 1e-6, torch.float64: 1e-12}
 DTYPES = [torch.float32, torch.float64]
-LONG = [47, 64, 65, 100, 127, 129, 255, 257, 511, 777, 1023, 1500, 2000]
-MAX_TILES = 64  # per call in the sweep, apart from the default block size at the longest lengths
+LONG = [47, 64, 65, 127, 129, 257, 511, 1023, 2000]
+MAX_TILES = 16  # per call in the sweep (every tile costs a few dozen PyTorch calls)
 
 
 def block_sizes(T: int, rng: random.Random) -> list[int]:
-    """Block sizes for length T: tiny, dividing T or not, T itself and beyond, one at random; at most 8 x 8 tiles.
+    """Block sizes for length T: tiny, dividing T or not, T itself and beyond, one at random; at most 4 x 4 tiles.
     Beyond 300 tokens (where every call costs more), two: one that does not divide T and one at random."""
     if T > 300: return sorted({T // 3 + 1, rng.randint(math.ceil(T / 8), T + 8)})
     candidates = {1, 2, 3, 5, 7, T - 1, T, T + 7, math.ceil(T / 8), T // 3 + 1, rng.randint(1, T + 8)}
@@ -28,10 +28,10 @@ def block_sizes(T: int, rng: random.Random) -> list[int]:
 
 
 def cases() -> list[tuple[int, int]]:
-    "(T, block_size): every T up to 33, then lengths around powers of two and up to 2,000; the default 64 at 2,000."
+    "(T, block_size): every T up to 33, then lengths around powers of two and up to 2,000; the default 64 at 1,000."
     rng = random.Random(0)
     sweep = [(T, b) for T in list(range(1, 34)) + LONG for b in block_sizes(T, rng)]
-    return sweep + [(2000, 64)]
+    return sweep + [(1000, 64)]
 
 
 def qkv(T: int, dtype, num_keys: int | None = None, d_v: int = 8, seed: int = 0, requires_grad=False,
@@ -72,7 +72,7 @@ def test_forward_equals_sdpa_for_every_length_and_block_size(dtype, record_diff)
                 f'{where}; {ours_err:.1e} from the exact answer, SDPA {sdpa_err:.1e}')
 
 
-GRAD_CASES = [(1, 1), (2, 1), (5, 2), (17, 4), (64, 64), (100, 7), (333, 64), (2000, 256)]
+GRAD_CASES = [(1, 1), (2, 1), (5, 2), (17, 4), (64, 64), (100, 7), (333, 64), (2000, 700)]
 
 
 @pytest.mark.parametrize('dtype', DTYPES, ids=str)

@@ -1,11 +1,11 @@
-"""The project's own tooling: the stale-output comparison and the README renderer."""
+"""The project's own tooling: the stale-output comparison of the notebook plugin and the README renderer."""
 import json, sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT/'tools'))
 
-from check_outputs import same_text, summarise  # noqa: E402
+from tools.pytest_notebooks import same_text, summarise  # noqa: E402
 from docs import readme_markdown  # noqa: E402
 
 

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 from execnb.nbio import read_nb
-from execnb.shell import CaptureShell
 from fastcore.basics import str2bool
 from nbdev.config import get_config
 from nbdev.frontmatter import FrontmatterProc
@@ -67,6 +66,7 @@ class Notebook(pytest.Item):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.add_marker('notebook')
+        self.add_marker('no_cover')  # pytest-cov: tests/ cover the package; tracing the notebooks only slows them
 
     def skipped(self, cell, flags: set) -> bool:
         "Whether nbdev_test would skip `cell` (nbdev.test.test_nb's `_no_eval`)."
@@ -75,6 +75,7 @@ class Notebook(pytest.Item):
         return direc.get('eval:', [''])[0].lower() == 'false' or bool(flags & direc.keys())
 
     def runtest(self):
+        from execnb.shell import CaptureShell  # imports matplotlib: only where notebooks run, not in xdist's main process
         path = self.path
         fm = getattr(NBProcessor(path, procs=FrontmatterProc, process=True).nb, 'frontmatter_', {})
         if str2bool(fm.get('skip_exec', False)): pytest.skip('skip_exec in its front matter')

@@ -29,7 +29,6 @@ def _generated(root: Path) -> dict[str, bytes]:
             if p.is_file() and not any(part.startswith(('.', '__pycache__')) for part in p.relative_to(root).parts)}
 
 
-@pytest.mark.slow
 def test_package_and_notebooks_in_sync(scratch):
     for tool in ['nbdev_export', 'nbdev_clean']:
         res = subprocess.run([BIN/tool], cwd=scratch, capture_output=True, text=True)

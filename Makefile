@@ -38,10 +38,11 @@ test-quick: $(INSTALLED) ## the edit loop: make test without coverage, `#| slow`
 test-site: $(INSTALLED) ## build the site, serve it on 127.0.0.1 and walk every page in headless Chromium
 	$(PY) -m pytest -m site -s -q
 
-bench: $(INSTALLED) ## time the attention paths against PyTorch's and generation with/without the KV cache (~5 min)
+bench: $(INSTALLED) ## time the attention paths against PyTorch's, generation with/without the KV cache, the tiny GPT with GQA/window/RoPE (~15 min)
 	$(PY) bench/benchmark.py
 	$(PY) bench/generation.py
-	$(call run_nbs,nbs/09_performance.ipynb)
+	$(PY) bench/modern.py
+	$(call run_nbs,nbs/08_modern.ipynb nbs/09_performance.ipynb)
 
 # Run notebooks top to bottom from their own folder with nbdev's engine (execnb's exec_nb), stopping at the first
 # cell that raises, and save them with their fresh outputs, cleaned.

@@ -6,7 +6,8 @@ __version__ = "0.1.0"
 # %% auto #0
 __all__ = ['SelfAttention', 'check_tokens', 'check_size', 'check_flag', 'check_dropout', 'check_context', 'softmax_stable',
            'simple_attention', 'SelfAttentionV1', 'SelfAttentionV2', 'causal_mask', 'CausalAttention', 'leaks_future',
-           'check_heads', 'MultiHeadAttentionWrapper', 'MultiHeadAttention', 'KVCache', 'to_torch_multihead']
+           'check_heads', 'MultiHeadAttentionWrapper', 'MultiHeadAttention', 'KVCache', 'to_torch_multihead',
+           'AttentionExplorer', 'package_attention', 'repeat_kv', 'window_mask', 'rope_angles', 'apply_rope']
 
 # %% ../nbs/index.ipynb #e26eca70
 from .core import SelfAttention, check_tokens, check_size, check_flag
@@ -16,8 +17,11 @@ from .causal import (check_dropout, check_context, causal_mask, CausalAttention,
                                    leaks_future)
 from .multihead import (check_heads, MultiHeadAttentionWrapper, MultiHeadAttention,
                                       KVCache, to_torch_multihead)
+from .modern import repeat_kv, window_mask, rope_angles, apply_rope
+from .explorer import AttentionExplorer, package_attention
 
 _all_ = ['SelfAttention', 'check_tokens', 'check_size', 'check_flag', 'check_dropout', 'check_context',
          'softmax_stable', 'simple_attention', 'SelfAttentionV1', 'SelfAttentionV2',
          'causal_mask', 'CausalAttention', 'leaks_future', 'check_heads', 'MultiHeadAttentionWrapper',
-         'MultiHeadAttention', 'KVCache', 'to_torch_multihead']
+         'MultiHeadAttention', 'KVCache', 'to_torch_multihead', 'AttentionExplorer',
+         'package_attention', 'repeat_kv', 'window_mask', 'rope_angles', 'apply_rope']

@@ -57,11 +57,12 @@ class TransformerBlock(nn.Module):
                  context_length:int, # the longest sequence
                  num_heads:int,      # attention heads; must divide d_model
                  dropout:float=0.0,  # dropout on the attention weights
+                 **options, # num_kv_heads, window, rope: see Attention since 2017
                 ):
         super().__init__()
         self.norm1 = nn.LayerNorm(d_model)
         self.attn = MultiHeadAttention(d_model, d_model, context_length,
-                                       dropout=dropout, num_heads=num_heads)
+                                       dropout=dropout, num_heads=num_heads, **options)
         self.norm2 = nn.LayerNorm(d_model)
         self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(),
                                  nn.Linear(4 * d_model, d_model))
@@ -83,13 +84,19 @@ class TinyGPT(nn.Module):
                  d_model:int=64,     # the size of every token vector
                  num_heads:int=4,    # attention heads per block
                  num_layers:int=2,   # transformer blocks
+                 num_kv_heads:int|None=None, # key/value heads per block (None: num_heads)
+                 window:int|None=None, # each token sees only the window latest tokens
+                 rope:bool=False, # rotary positions in attention, no position embeddings
                 ):
         super().__init__()
         self.context_length = context_length
         self.token_emb = nn.Embedding(vocab_size, d_model)
-        self.pos_emb = nn.Embedding(context_length, d_model)
-        self.blocks = nn.ModuleList(TransformerBlock(d_model, context_length, num_heads)
-                                    for _ in range(num_layers))
+        # RoPE puts the positions into every attention score: no table to learn
+        self.pos_emb = None if rope else nn.Embedding(context_length, d_model)
+        options = dict(num_kv_heads=num_kv_heads, window=window, rope=rope)
+        self.blocks = nn.ModuleList(
+            TransformerBlock(d_model, context_length, num_heads, **options)
+            for _ in range(num_layers))
         self.norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size)
 
@@ -102,13 +109,14 @@ class TinyGPT(nn.Module):
                 caches:list|None=None, # from `new_caches`: token_ids are the new tokens
                ) -> Tensor: # next-token logits, (b, num_tokens, vocab_size)
         "Scores for the token that follows each position."
-        seen = 0 if caches is None else len(caches[0])  # tokens before these
+        seen = 0 if caches is None else caches[0].num_seen  # tokens before these
         total = seen + token_ids.shape[-1]
         if total > self.context_length:
             raise ValueError(f"{seen} tokens so far and {token_ids.shape[-1]} new make "
                              f"{total}, more than context_length={self.context_length}")
         positions = torch.arange(seen, total, device=token_ids.device)
-        x = self.token_emb(token_ids) + self.pos_emb(positions)  # (b, T, d_model)
+        x = self.token_emb(token_ids)                            # (b, T, d_model)
+        if self.pos_emb is not None: x = x + self.pos_emb(positions)
         for i, block in enumerate(self.blocks):
             x = block(x, cache=None if caches is None else caches[i])
         return self.head(self.norm(x))                           # (b, T, vocab_size)

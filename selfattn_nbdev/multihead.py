@@ -7,6 +7,7 @@ __all__ = ['check_heads', 'MultiHeadAttentionWrapper', 'MultiHeadAttention', 'to
 
 # %% ../nbs/04_multihead.ipynb #3c5fb0e9
 import math
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +16,8 @@ from torch import Tensor, nn
 from .core import check_flag, check_size, check_tokens
 from .causal import (CausalAttention, _load_without_saved_mask,
                                    causal_mask, check_context, check_dropout)
+from .modern import (check_kv_heads, check_rope, check_window, repeat_kv,
+                                   rope_angles, rope_rotate, window_mask)
 
 # %% ../nbs/04_multihead.ipynb #1176acd3
 def check_heads(
@@ -60,11 +63,13 @@ def _blocked_mask(
     key_padding_mask:Tensor|None, # bool (batch, num_tokens), True = padding; or None
     device=None,    # where to build the mask
     num_keys:int|None=None, # number of keys, when earlier ones are cached
+    window:int|None=None, # with causal: also hide keys window or more tokens back
 ) -> Tensor|None: # bool, True = do not attend; None when nothing is blocked
-    "Combine the causal mask and a key padding mask into one mask for all heads."
+    "Combine the causal (or sliding-window) mask and a key padding mask into one mask."
     blocked = None
     if causal:
-        future = causal_mask(num_tokens, device, num_keys)           # (T, T_keys)
+        future = (causal_mask(num_tokens, device, num_keys) if window is None
+                  else window_mask(num_tokens, window, device, num_keys))  # (T, T_keys)
         blocked = future[None, None]                                 # (1, 1, T, T_keys)
     if key_padding_mask is not None:
         padding = key_padding_mask[:, None, None, :]                 # (b, 1, 1, T)
@@ -103,30 +108,41 @@ class MultiHeadAttention(nn.Module):
                  num_heads:int=1,    # number of heads; must divide d_out
                  qkv_bias:bool=False, # learned biases in W_query, W_key, W_value
                  causal:bool=True,    # hide the future: token i sees tokens 1..i only
+                 num_kv_heads:int|None=None, # key/value heads (None: num_heads; 1: MQA)
+                 window:int|None=None, # causal only: see just the window latest tokens
+                 rope:bool=False, # rotary position embeddings on queries and keys
+                 rope_base:float=10000.0, # RoPE's wavelength scale
                 ):
         super().__init__()
         check_size(d_in, 'd_in'); check_size(d_out, 'd_out')
         check_size(context_length, 'context_length')
         check_flag(qkv_bias, 'qkv_bias'); check_flag(causal, 'causal')
         check_heads(d_out, num_heads); check_dropout(dropout)
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        check_kv_heads(num_heads, num_kv_heads)
+        check_window(window, causal); check_rope(rope, rope_base, d_out // num_heads)
+        num_heads, num_kv_heads = int(num_heads), int(num_kv_heads)  # e.g. numpy ints
         self.d_in, self.d_out, self.context_length = d_in, d_out, context_length
         self.num_heads, self.head_dim = num_heads, d_out // num_heads
-        self.causal = causal
+        self.num_kv_heads, self.window = num_kv_heads, window
+        self.causal, self.rope, self.rope_base = causal, rope, rope_base
+        kv_dim = num_kv_heads * self.head_dim   # d_out unless the heads share keys
         self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
-        self.W_key = nn.Linear(d_in, d_out, bias=qkv_bias)
-        self.W_value = nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.W_key = nn.Linear(d_in, kv_dim, bias=qkv_bias)
+        self.W_value = nn.Linear(d_in, kv_dim, bias=qkv_bias)
         self.out_proj = nn.Linear(d_out, d_out)
         self.dropout = nn.Dropout(dropout)
+        self._rope_cache = None  # RoPE's cos and sin, built on first use
 
     _load_from_state_dict = _load_without_saved_mask  # old checkpoints saved a `mask`
 
     def _split_heads(self,
-                     t:Tensor, # a projection, (b, num_tokens, d_out)
-                    ) -> Tensor: # (b, num_heads, num_tokens, head_dim)
-        "Cut the last axis into `num_heads` pieces of `head_dim`; heads get an axis."
+                     t:Tensor, # a projection, (b, num_tokens, heads * head_dim)
+                    ) -> Tensor: # (b, heads, num_tokens, head_dim)
+        "Cut the last axis into pieces of `head_dim`, one per head; heads get an axis."
         b, num_tokens, _ = t.shape
-        t = t.view(b, num_tokens, self.num_heads, self.head_dim)  # (b, T, heads, hd)
-        return t.transpose(1, 2)                                  # (b, heads, T, hd)
+        t = t.view(b, num_tokens, -1, self.head_dim)  # (b, T, heads, hd)
+        return t.transpose(1, 2)                      # (b, heads, T, hd)
 
     def _merge_heads(self,
                      context:Tensor, # per head: (b, num_heads, num_tokens, head_dim)
@@ -136,6 +152,21 @@ class MultiHeadAttention(nn.Module):
         context = context.transpose(1, 2)                   # (b, T, heads, head_dim)
         return context.reshape(b, num_tokens, self.d_out)   # (b, T, d_out)
 
+    def _rope_table(self,
+                    num_positions:int, # positions needed: 0 .. num_positions - 1
+                    like:Tensor, # where and in what precision: float64 for float64
+                   ) -> tuple: # cos, sin: (at least num_positions, head_dim)
+        "RoPE's cos and sin for positions 0 to context_length, computed once and kept."
+        dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
+        table = self._rope_cache
+        if (table is None or table[0].shape[0] < num_positions
+                or table[0].device != like.device or table[0].dtype != dtype):
+            n = max(num_positions, self.context_length)
+            positions = torch.arange(n, device=like.device)
+            table = rope_angles(positions, self.head_dim, self.rope_base, dtype)
+            self._rope_cache = table
+        return table
+
     def _masks(self,
                num_tokens:int, # number of queries
                key_padding_mask:Tensor|None, # bool (b, num_tokens), True = padding
@@ -144,18 +175,20 @@ class MultiHeadAttention(nn.Module):
         "The mask `blocked` (True = do not attend) and the `dead` rows (no key left)."
         device = self.W_query.weight.device
         blocked = _blocked_mask(num_tokens, self.causal, key_padding_mask, device,
-                                num_keys)
+                                num_keys, self.window)
         if key_padding_mask is None: return blocked, None
         dead = blocked.all(dim=-1, keepdim=True)  # (b, 1, T, 1): every key blocked
         return blocked & ~dead, dead              # dead rows may attend; zeroed later
 
     def _attend_explicit(self,
                          queries:Tensor, # (b, num_heads, num_tokens, head_dim)
-                         keys:Tensor,    # (b, num_heads, num_tokens, head_dim)
-                         values:Tensor,  # (b, num_heads, num_tokens, head_dim)
+                         keys:Tensor,    # (b, num_kv_heads, num_keys, head_dim)
+                         values:Tensor,  # (b, num_kv_heads, num_keys, head_dim)
                          key_padding_mask:Tensor|None, # bool (b, num_tokens) or None
                         ) -> tuple: # context(b, heads, T, hd), weights(b, heads, T, T)
         "Scores, mask, softmax, dropout, weighted sum: all heads at once, step by step."
+        group_size = self.num_heads // self.num_kv_heads
+        keys, values = repeat_kv(keys, group_size), repeat_kv(values, group_size)
         blocked, dead = self._masks(queries.shape[2], key_padding_mask, keys.shape[2])
         attn_scores = queries @ keys.transpose(2, 3)  # (b, heads, T, T_keys)
         if blocked is not None:
@@ -168,26 +201,25 @@ class MultiHeadAttention(nn.Module):
 
     def _attend_fused(self,
                       queries:Tensor, # (b, num_heads, num_tokens, head_dim)
-                      keys:Tensor,    # (b, num_heads, num_tokens, head_dim)
-                      values:Tensor,  # (b, num_heads, num_tokens, head_dim)
+                      keys:Tensor,    # (b, num_kv_heads, num_keys, head_dim)
+                      values:Tensor,  # (b, num_kv_heads, num_keys, head_dim)
                       key_padding_mask:Tensor|None, # bool (b, num_tokens) or None
                      ) -> Tensor: # context, (b, num_heads, num_tokens, head_dim)
         "The same with the fused `F.scaled_dot_product_attention`; no weights kept."
-        dropout_p = self.dropout.p if self.training else 0.0
+        kernel = partial(F.scaled_dot_product_attention,  # GQA: the kernel repeats k, v
+                         dropout_p=self.dropout.p if self.training else 0.0,
+                         enable_gqa=self.num_kv_heads != self.num_heads)
         num_tokens, num_keys = queries.shape[2], keys.shape[2]
-        sees_all = not self.causal or num_tokens == 1  # e.g. one token after a cache
-        if key_padding_mask is None and (sees_all or num_tokens == num_keys):
+        in_reach = self.window is None or num_keys <= self.window  # no key too old
+        sees_all = not self.causal or (num_tokens == 1 and in_reach)  # 1 new token
+        if key_padding_mask is None and (sees_all or (num_tokens == num_keys
+                                                      and self.window is None)):
             # no mask to build: the kernel applies causality itself, or none is needed
-            is_causal = not sees_all
-            return F.scaled_dot_product_attention(
-                queries, keys, values, dropout_p=dropout_p, is_causal=is_causal)
+            return kernel(queries, keys, values, is_causal=not sees_all)
         blocked, dead = self._masks(num_tokens, key_padding_mask, num_keys)
-        if dead is None:  # several new tokens after cached ones: a (T, T_keys) mask
-            return F.scaled_dot_product_attention(
-                queries, keys, values, attn_mask=~blocked, dropout_p=dropout_p)
-        context = F.scaled_dot_product_attention(  # SDPA's bool mask: True = attend
-            queries, keys, values, attn_mask=~blocked, dropout_p=dropout_p)
-        return context.masked_fill(dead, 0.0)      # (b, heads, T, head_dim)
+        # a window, padding, or several new tokens after cached ones: a mask
+        context = kernel(queries, keys, values, attn_mask=~blocked)  # True = attend
+        return context if dead is None else context.masked_fill(dead, 0.0)
 
     def forward(self,
                 x:Tensor, # tokens, (num_tokens, d_in) or (batch, num_tokens, d_in)
@@ -206,10 +238,15 @@ class MultiHeadAttention(nn.Module):
         if cache is None: check_context(x.shape[1], self.context_length)
         else: cache.check_new_tokens(x, key_padding_mask, self.context_length)
         queries = self._split_heads(self.W_query(x))       # (b, heads, T, head_dim)
-        keys = self._split_heads(self.W_key(x))            # (b, heads, T, head_dim)
-        values = self._split_heads(self.W_value(x))        # (b, heads, T, head_dim)
-        if cache is not None:  # the keys and values of every token so far
-            keys, values = cache.append(keys, values)      # (b, heads, seen + T, hd)
+        keys = self._split_heads(self.W_key(x))            # (b, kv_heads, T, hd)
+        values = self._split_heads(self.W_value(x))        # (b, kv_heads, T, hd)
+        if self.rope:  # turn each query and key by the angle of its position
+            seen = 0 if cache is None else cache.num_seen
+            cos, sin = self._rope_table(seen + x.shape[1], queries)  # (positions, hd)
+            cos, sin = cos[seen:seen + x.shape[1]], sin[seen:seen + x.shape[1]]
+            queries, keys = rope_rotate(queries, cos, sin), rope_rotate(keys, cos, sin)
+        if cache is not None:  # the keys and values of every token still in reach
+            keys, values = cache.append(keys, values, self.window)  # (b, kv, kept+T, hd)
         if return_attn_weights:
             context, attn_weights = self._attend_explicit(queries, keys, values,
                                                           key_padding_mask)
@@ -222,9 +259,12 @@ class MultiHeadAttention(nn.Module):
 
     def extra_repr(self) -> str:
         "The sizes shown when the module is printed."
-        return (f"d_in={self.d_in}, d_out={self.d_out}, "
-                f"context_length={self.context_length}, "
-                f"num_heads={self.num_heads}, causal={self.causal}")
+        extras = [f"num_kv_heads={self.num_kv_heads}"] * (self.num_kv_heads != self.num_heads)
+        extras += [f"window={self.window}"] * (self.window is not None)
+        extras += [f"rope=True, rope_base={self.rope_base:g}"] * self.rope
+        return ", ".join([f"d_in={self.d_in}, d_out={self.d_out}",
+                          f"context_length={self.context_length}",
+                          f"num_heads={self.num_heads}, causal={self.causal}", *extras])
 
 
 # %% ../nbs/04_multihead.ipynb #dbd683b0
@@ -256,22 +296,23 @@ class KVCache:
 
     def reset(self) -> None:
         "Forget every cached token, to start a new sequence."
-        self._keys = self._values = None  # storage, (b, num_heads, capacity, head_dim)
-        self._length = 0                  # how many positions of it hold tokens
+        self._keys = self._values = None  # storage, (b, kv_heads, capacity, head_dim)
+        self._start = self._end = 0       # the cached tokens: storage[:, :, start:end]
+        self.num_seen = 0                 # tokens appended since the last reset
 
     def __len__(self) -> int:
-        "The number of tokens cached."
-        return self._length
+        "The number of tokens cached (fewer than seen, with a sliding window)."
+        return self._end - self._start
 
     @property
-    def keys(self) -> Tensor|None: # (b, num_heads, num_seen, head_dim)
+    def keys(self) -> Tensor|None: # (b, num_kv_heads, len(self), head_dim)
         "The cached keys."
-        return None if self._keys is None else self._keys[:, :, :self._length]
+        return None if self._keys is None else self._keys[:, :, self._start:self._end]
 
     @property
-    def values(self) -> Tensor|None: # (b, num_heads, num_seen, head_dim)
+    def values(self) -> Tensor|None: # (b, num_kv_heads, len(self), head_dim)
         "The cached values."
-        return None if self._values is None else self._values[:, :, :self._length]
+        return None if self._values is None else self._values[:, :, self._start:self._end]
 
     def check_new_tokens(self,
                          x:Tensor, # the new tokens, (b, num_tokens, d_in)
@@ -286,35 +327,42 @@ class KVCache:
         if batch is not None and x.shape[0] != batch:
             raise ValueError(f"the cache holds a batch of {batch} sequences; got x "
                              f"with batch size {x.shape[0]} (cache.reset() clears it)")
-        total = len(self) + x.shape[1]
+        total = self.num_seen + x.shape[1]
         if total > context_length:
-            raise ValueError(f"the cache holds {len(self)} tokens and x adds "
+            raise ValueError(f"the cache has seen {self.num_seen} tokens and x adds "
                              f"{x.shape[1]}: {total} is more than context_length="
                              f"{context_length}; call cache.reset() or build a module "
                              f"with a longer context")
 
     def append(self,
-               keys:Tensor,   # the new tokens' keys, (b, num_heads, num_tokens, hd)
+               keys:Tensor,   # the new tokens' keys, (b, num_kv_heads, num_tokens, hd)
                values:Tensor, # their values, the same shape
-              ) -> tuple: # keys and values of every token so far, (b, h, seen + T, hd)
-        "Add the new tokens' keys and values; return those of all tokens seen."
+               window:int|None=None, # keep only what a window this wide can see
+              ) -> tuple: # keys and values the new tokens attend to, (b, h, kept + T, hd)
+        "Add the new tokens' keys and values; return those of every token in reach."
         stored = self._keys
         if stored is not None and (stored.shape[1::2] != keys.shape[1::2]
                                    or stored.dtype != keys.dtype):  # heads, head_dim
             raise ValueError(f"this cache holds keys of shape {tuple(self.keys.shape)} "
                              f"and {stored.dtype}; got {tuple(keys.shape)} and "
                              f"{keys.dtype}: use one cache per module")
-        end = self._length + keys.shape[2]
-        if stored is None or end > stored.shape[2]:  # full: double the capacity
-            capacity = max(end, 2 * (0 if stored is None else stored.shape[2]), 16)
+        kept, new = len(self), keys.shape[2]
+        if stored is None or self._end + new > stored.shape[2]:  # no room at the end
+            capacity = 0 if stored is None else stored.shape[2]
+            if kept + new > capacity // 2:        # over half full: double the storage
+                capacity = max(2 * capacity, kept + new, 16)
             shape = (*keys.shape[:2], capacity, keys.shape[3])
             new_keys, new_values = keys.new_empty(shape), values.new_empty(shape)
-            new_keys[:, :, :self._length] = self.keys if stored is not None else 0
-            new_values[:, :, :self._length] = self.values if stored is not None else 0
-            self._keys, self._values = new_keys, new_values
-        self._keys[:, :, self._length:end] = keys          # (b, h, capacity, hd)
-        self._values[:, :, self._length:end] = values
-        self._length = end
-        return self.keys, self.values                      # (b, h, seen + T, hd)
+            if kept:  # move the cached tokens to the front
+                new_keys[:, :, :kept], new_values[:, :, :kept] = self.keys, self.values
+            self._keys, self._values, self._start, self._end = new_keys, new_values, 0, kept
+        self._keys[:, :, self._end:self._end + new] = keys      # (b, h, capacity, hd)
+        self._values[:, :, self._end:self._end + new] = values
+        self._end += new
+        self.num_seen += new
+        in_reach = self.keys, self.values                       # (b, h, kept + T, hd)
+        if window is not None:  # the next token sees only the window - 1 before it
+            self._start = max(self._start, self._end - (window - 1))
+        return in_reach
 
     def __repr__(self): return f"KVCache({len(self)} tokens)"

@@ -64,7 +64,7 @@ def test_reset_and_errors():
     cache = KVCache()
     assert len(cache) == 0 and repr(cache) == 'KVCache(0 tokens)'
     m(torch.randn(1, 4, 8), cache=cache)
-    with pytest.raises(ValueError, match='holds 4 tokens and x adds 3: 7 is more than context_length=6'):
+    with pytest.raises(ValueError, match='has seen 4 tokens and x adds 3: 7 is more than context_length=6'):
         m(torch.randn(1, 3, 8), cache=cache)
     with pytest.raises(ValueError, match='batch of 1 sequences; got x with batch size 2'):
         m(torch.randn(2, 1, 8), cache=cache)

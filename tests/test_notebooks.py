@@ -34,6 +34,17 @@ def options(src: str) -> dict:
 
 
 @pytest.mark.parametrize('nb', NOTEBOOKS, ids=lambda p: p.stem)
+def test_cell_options_are_yaml(nb):
+    "Quarto reads `#|` options as YAML and stops the whole build on one it cannot parse (smalldocs is lenient)."
+    import yaml
+    for src in cells(nb):
+        head = '\n'.join(l[3:] for l in src.splitlines() if re.match(r'#\| [\w-]+:', l))  # not `#| hide`
+        try: parsed = yaml.safe_load(head) if head else {}
+        except yaml.YAMLError as e: pytest.fail(f'{nb.name}: cell options are not valid YAML: {e}\n{head}')
+        assert head == '' or isinstance(parsed, dict), f'{nb.name}: cell options are not key: value lines: {head}'
+
+
+@pytest.mark.parametrize('nb', NOTEBOOKS, ids=lambda p: p.stem)
 def test_code_lines_fit_the_page(nb):
     shown = [src for src in cells(nb) if 'hide' not in options(src)]  # `#|` lines are options, not shown code
     long = [(i, line) for i, src in enumerate(shown) for line in src.splitlines()

@@ -103,6 +103,24 @@ def local_links(site_dir: Path) -> str:
     return f'{n} links to the published site made local'
 
 
+WIDGET_LOADERS = re.compile(  # what Quarto adds to a page with any HTML output, for Jupyter's JavaScript widgets
+    r'<script src="https://cdn\.jsdelivr\.net/npm/(?:requirejs@[\d.]+/require|jquery@[\d.]+/dist/jquery)\.min\.js"[^>]*>'
+    r'</script>\n?|<script type="application/javascript">define\(\'jquery\'[^<]*</script>\n?')
+
+
+def drop_widget_loaders(site_dir: Path) -> str:
+    """Remove the RequireJS and jQuery that Quarto links from a CDN into every page with an HTML output.
+
+    Quarto adds them for notebook widgets that expect them (itables, old Plotly). The only HTML outputs of this
+    site are its attention explorers, plain scripts that use neither; offline, the missing RequireJS would make
+    the jQuery shim throw `define is not defined` on every such page. No option of Quarto turns this off."""
+    n = 0
+    for page in site_dir.rglob('*.html'):
+        text, k = WIDGET_LOADERS.subn('', page.read_text())
+        if k: page.write_text(text); n += 1
+    return f'widget loaders dropped from {n} pages' if n else 'no widget loaders'
+
+
 def render(proc: Path) -> str:
     "Render the processed notebooks into `_docs/`; return the renderer's name."
     cfg = get_config()
@@ -115,7 +133,7 @@ def render(proc: Path) -> str:
         smalldocs_names(proc)
         subprocess.run([sys.executable, '-m', 'smalldocs.cli', 'render', str(proc)], check=True)
         renderer = 'smalldocs'
-    renderer += f' ({vendor_katex(out)}; {local_links(out)})'
+    renderer += f' ({vendor_katex(out)}; {local_links(out)}; {drop_widget_loaders(out)})'
     shutil.rmtree(cfg.doc_path, ignore_errors=True)
     shutil.move(str(out), str(cfg.doc_path))
     return renderer
@@ -181,6 +199,8 @@ def readme_markdown(nb_path: Path, doc_url: str) -> tuple[str, dict[str, bytes]]
                 alt = opts.get('fig-alt', opts.get('fig-cap', 'figure'))
                 parts.append(f'![{alt}]({path})')
                 if 'fig-cap' in opts: parts.append(f"*{opts['fig-cap']}*")
+            elif 'data-attention-explorer' in _text(data.get('text/html', '')):  # GitHub runs no script
+                parts.append(f"*An interactive attention explorer: [try it on the site]({doc_url}/index.html#try-it).*")
             elif 'text/markdown' in data: parts.append(_text(data['text/markdown']).strip())
             elif 'text/plain' in data: parts.append('```\n' + _text(data['text/plain']).rstrip() + '\n```')
     return '\n\n'.join(parts) + '\n', images

@@ -13,7 +13,8 @@ For every page in the sidebar, at 1280 px and at a 390 px phone width:
 - at 1280 px, no code block or output is wider than its box (its text would be cut off until scrolled);
   it has previous/next links at the bottom, and no link to the site's own pages leaves the local build;
 - on the phone width, the body does not scroll sideways and nothing outside a scroll box is wider than it;
-- a full-page screenshot is saved under _artifacts/screenshots/.
+- a full-page screenshot is saved under _artifacts/screenshots/;
+- every attention explorer shows the package's weights (see `check_explorers`).
 Then: every API entry of the module index (selfattn_nbdev/_modidx.py) resolves to an element on its page,
 and the site search finds "softmax" and "causal" with results linking to the pages that teach them.
 The last line is `site: N passed, M failed`; the exit code is 1 on any failure.
@@ -70,6 +71,68 @@ def api_entries() -> dict[str, str]:
             link = syms.get(f'{module}.{name}', (None,))[0]
             if link: entries[f'{module}.{name}'] = link
     return entries
+
+
+def check_explorers(page, name: str, rep: Report) -> None:
+    """Every attention explorer on the page (`data-attention-explorer`) shows the package's numbers and reacts
+    as the pages say: clicks every head and token in both mask settings, the slider's ends, the keyboard."""
+    import torch
+    from selfattn_nbdev.explorer import package_attention
+    roots = page.locator('[data-attention-explorer]')
+    for k in range(roots.count()):
+        root, where = roots.nth(k), f'{name} explorer {k + 1}'
+        rep.count('explorers')
+        before = rep.passed + len(rep.failures)
+        inputs = json.loads(root.get_attribute('data-inputs'))
+        T, start_causal = len(inputs['tokens']), inputs['causal']
+        shown = lambda: torch.tensor(json.loads(root.get_attribute('data-weights')), dtype=torch.float64)
+        numbers = lambda sel: [float(x) for x in re.findall(r'-?\d+\.\d+', ' '.join(root.locator(sel).all_inner_texts()))]
+        tabs, tokens = root.locator('[role=tab]'), root.locator('button.ae-token')
+        box, slider = root.locator('input[type=checkbox]'), root.locator('input[type=range]')
+        rep.check(tokens.all_inner_texts() == inputs['tokens'], f'{where}: one button per token, named by its text')
+        rep.check(tabs.count() == (inputs['num_heads'] if inputs['num_heads'] > 1 else 0), f'{where}: one tab per head')
+
+        def against_package(causal: bool):
+            "Click every head and token; the bars, context vector and data-weights must be the package's."
+            pkg_weights, pkg_context = package_attention(inputs, causal)
+            for h in range(inputs['num_heads']):
+                if tabs.count(): tabs.nth(h).click()
+                for i in range(T):
+                    tokens.nth(i).click()
+                    mode = f'{where} (head {h + 1}, {inputs["tokens"][i]!r}, causal={causal})'
+                    bars, z = torch.tensor(numbers('.ae-num')), torch.tensor(numbers('.ae-context'))
+                    rep.check(bars.shape == (T,) and (bars - pkg_weights[h, i]).abs().max() <= 5e-4 + 1e-9,
+                              f'{mode}: bars show the package\'s weights to 3 decimals ({bars.tolist()})')
+                    rep.check(z.shape == pkg_context[h, i].shape and (z - pkg_context[h, i]).abs().max() <= 5e-4 + 1e-9,
+                              f'{mode}: context vector is the package\'s to 3 decimals ({z.tolist()})')
+                    diff = (shown() - pkg_weights[h]).abs().max().item()
+                    rep.counts['explorer max diff'] = max(rep.counts.get('explorer max diff', 0.0), diff)
+                    rep.check(diff <= 1e-6, f'{mode}: data-weights equal the package\'s within 1e-6 (max diff {diff:.1e})')
+                if causal:
+                    w = shown()
+                    rep.check(w.triu(1).abs().max() == 0 and torch.allclose(w.sum(-1), torch.ones(T, dtype=w.dtype)),
+                              f'{where} (head {h + 1}): with the mask on, every future weight is 0 and rows sum to 1')
+
+        against_package(start_causal)
+        box.click()
+        rep.check(box.is_checked() != start_causal, f'{where}: the causal toggle switches')
+        against_package(not start_causal)
+        box.click()
+        default = shown()
+        slider.focus(); page.keyboard.press('Home')            # scale 0: no preference left
+        visible = torch.ones(T, T, dtype=torch.float64)
+        visible = visible.tril() if start_causal else visible
+        rep.check(torch.allclose(shown(), visible / visible.sum(-1, keepdim=True), atol=1e-12),
+                  f'{where}: at scale 0 every row is uniform over the tokens it may see')
+        page.keyboard.press('End')                             # 4/sqrt(d_k): sharper
+        grown = shown().max(-1).values - default.max(-1).values
+        rep.check(bool((grown >= -1e-12).all() and (grown > 1e-6).any()),
+                  f'{where}: at the slider\'s end every row\'s largest weight grew ({grown.tolist()})')
+        root.locator('button.ae-reset').click()
+        rep.check(torch.allclose(shown(), default, atol=0), f'{where}: the reset button restores the default scale')
+        tokens.nth(0).focus(); page.keyboard.press('Enter')
+        rep.check(tokens.nth(0).get_attribute('aria-pressed') == 'true', f'{where}: Enter on a focused token selects it')
+        rep.count('explorer checks', rep.passed + len(rep.failures) - before)
 
 
 PAGE_FACTS = """(VIEWPORT) => {
@@ -152,6 +215,7 @@ def walk(site: Path, chromium: str) -> int:
                         rep.count('images')
                         rep.check(img['w'] > 0, f'{name}: image loads: {img["src"][:80]} (naturalWidth {img["w"]})')
                     widths[name] = [f['widest'], None]
+                    check_explorers(page, name, rep)
                 else:
                     widths.setdefault(name, [None, None])[1] = f['scrollWidth']
                     rep.check(f['scrollWidth'] <= width + 1,
@@ -191,11 +255,16 @@ def walk(site: Path, chromium: str) -> int:
         ctx = browser.new_context(viewport={'width': 1280, 'height': 900})
         ctx.route('**/*', lambda route: route.continue_() if route.request.url.startswith('file:') else route.abort())
         page = ctx.new_page()
+        errors = []
+        page.on('pageerror', lambda e: errors.append(str(e)))
         page.goto((site/'index.html').resolve().as_uri(), wait_until='load')
         page.wait_for_timeout(1000)
         f = page.evaluate(PAGE_FACTS, 1280)
         rep.check(f['math'] > 0 and f['rawMath'] == 0,
                   f'index.html opened from disk: maths typeset ({f["math"]} elements, {f["rawMath"]} raw)')
+        drawn = page.evaluate("[...document.querySelectorAll('[data-attention-explorer]')].map(e => !!e.querySelector('.ae-app'))")
+        rep.check(drawn and all(drawn) and not errors,
+                  f'index.html opened from disk: its attention explorers work offline (drawn: {drawn}, errors: {errors[:2]})')
         ctx.close()
 
         # the site search, as a reader uses it
@@ -233,6 +302,9 @@ def walk(site: Path, chromium: str) -> int:
           f"anchors: {rep.counts.get('anchors', 0)}; images: {rep.counts.get('images', 0)}; "
           f"API entries: {rep.counts.get('api entries', 0)}; searches: {rep.counts.get('searches', 0)}; "
           f"screenshots: {rep.counts.get('screenshots', 0)} in {shots.relative_to(ROOT)}/; {time.time() - t0:.1f}s")
+    if rep.counts.get('explorers'):
+        print(f"attention explorers: {rep.counts['explorers']}; checks on them: {rep.counts['explorer checks']}; "
+              f"largest difference between explorer and package weights: {rep.counts['explorer max diff']:.1e}")
     if external: print(f'failed requests to other hosts, excepted ({len(external)}): ' + ', '.join(sorted({urlparse(u).netloc for u in external})))
     for f in rep.failures: print(f'FAILED: {f}')
     print(f'site: {rep.passed} passed, {len(rep.failures)} failed')

@@ -1,0 +1,186 @@
+"""Grouped-query heads, sliding windows and rotary positions in MultiHeadAttention: each against an independent
+reference written out here, each with the KV cache, all three together, and with the defaults unchanged."""
+import itertools, math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from selfattn_nbdev import KVCache, MultiHeadAttention, leaks_future
+from selfattn_nbdev.modern import apply_rope, repeat_kv, rope_angles, window_mask
+
+TOL = {torch.float32: 2e-5, torch.float64: 1e-12}
+
+
+def reference(m: MultiHeadAttention, x, key_padding_mask=None):
+    """Everything written out from the definitions, one head at a time, in plain loops over heads:
+    RoPE as complex multiplication, keys/values of head h from kv head h // group, the banded mask."""
+    b, T, _ = x.shape
+    hd, group = m.head_dim, m.num_heads // m.num_kv_heads
+    q = m.W_query(x).view(b, T, m.num_heads, hd).transpose(1, 2)
+    k = m.W_key(x).view(b, T, m.num_kv_heads, hd).transpose(1, 2)
+    v = m.W_value(x).view(b, T, m.num_kv_heads, hd).transpose(1, 2)
+    if m.rope:
+        theta = m.rope_base ** (-torch.arange(0, hd, 2, dtype=torch.float64) / hd)      # (hd/2,)
+        turn = torch.polar(torch.ones(T, hd // 2, dtype=torch.float64),
+                           torch.arange(T, dtype=torch.float64)[:, None] * theta)      # e^{i m theta}
+        def rotate(t):
+            z = torch.complex(t[..., :hd // 2].double(), t[..., hd // 2:].double()) * turn
+            return torch.cat([z.real, z.imag], -1).to(t.dtype)
+        q, k = rotate(q), rotate(k)
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None]
+    allowed = torch.ones(T, T, dtype=torch.bool)
+    if m.causal: allowed &= j <= i
+    if m.window is not None: allowed &= j > i - m.window
+    outs = []
+    for h in range(m.num_heads):
+        scores = q[:, h] @ k[:, h // group].transpose(1, 2) / math.sqrt(hd)           # (b, T, T)
+        mask = allowed[None].expand(b, T, T)
+        if key_padding_mask is not None: mask = mask & ~key_padding_mask[:, None, :]
+        weights = torch.softmax(scores.masked_fill(~mask, -torch.inf), -1).nan_to_num(0.0)
+        outs.append(weights @ v[:, h // group])
+    return m.out_proj(torch.cat(outs, -1))
+
+
+OPTIONS = [dict(num_kv_heads=kv, window=w, rope=r)
+           for kv, w, r in itertools.product([None, 2, 1], [None, 1, 3], [False, True])]
+name = lambda o: '-'.join(f'{k}={v}' for k, v in o.items())
+
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float64])
+@pytest.mark.parametrize('opts', OPTIONS, ids=name)
+def test_both_paths_equal_the_reference(opts, dtype):
+    torch.manual_seed(0)
+    m = MultiHeadAttention(16, 16, 32, num_heads=4, **opts).to(dtype).eval()
+    x = torch.randn(2, 11, 16, dtype=dtype)
+    pad = torch.zeros(2, 11, dtype=torch.bool); pad[1, 8:] = True; pad[0, 0] = True
+    with torch.no_grad():
+        for mask in [None, pad]:
+            want = reference(m, x, mask)
+            fused = m(x, key_padding_mask=mask)
+            explicit, weights = m(x, key_padding_mask=mask, return_attn_weights=True)
+            assert (fused - want).abs().max() <= TOL[dtype]
+            assert (explicit - want).abs().max() <= TOL[dtype]
+            assert weights.shape == (2, 4, 11, 11)
+
+
+@pytest.mark.parametrize('opts', OPTIONS, ids=name)
+def test_cache_reproduces_the_full_forward(opts):
+    torch.manual_seed(1)
+    m = MultiHeadAttention(16, 16, 64, num_heads=4, **opts).double().eval()
+    x = torch.randn(2, 40, 16, dtype=torch.float64)
+    with torch.no_grad():
+        full, full_weights = m(x, return_attn_weights=True)
+        for explicit in [False, True]:
+            cache, seen = KVCache(), 0
+            for size in [1, 3, 5, 1, 1, 7, 2, 1, 1, 10, 8]:
+                out = m(x[:, seen:seen + size], cache=cache, return_attn_weights=explicit)
+                out = out[0] if explicit else out
+                assert (out - full[:, seen:seen + size]).abs().max() <= 1e-12
+                seen += size
+                assert cache.num_seen == seen
+                if opts['window'] is not None: assert len(cache) <= opts['window'] - 1
+                else: assert len(cache) == seen
+            assert seen == 40
+
+
+def test_sliding_window_cache_stays_flat():
+    "However long the generation, a windowed cache holds window - 1 tokens in storage of 2 x window."
+    torch.manual_seed(0)
+    window = 8
+    m = MultiHeadAttention(8, 8, 1000, num_heads=2, window=window).eval()
+    cache, sizes = KVCache(), set()
+    with torch.no_grad():
+        for t in range(600):
+            m(torch.randn(1, 1, 8), cache=cache)
+            if t > 50: sizes.add((len(cache), cache._keys.shape[2]))
+    assert sizes == {(window - 1, 2 * window)}
+
+
+def test_grouped_query_equals_repeated_heads_and_sdpa_gqa():
+    torch.manual_seed(0)
+    gqa = MultiHeadAttention(16, 16, 20, num_heads=4, num_kv_heads=2).double().eval()
+    mha = MultiHeadAttention(16, 16, 20, num_heads=4).double().eval()
+    state = gqa.state_dict()
+    for n in ['W_key.weight', 'W_value.weight']:  # (kv_heads * hd, d_in): each kv head serves 2 heads
+        state[n] = state[n].view(2, 4, 16).repeat_interleave(2, dim=0).reshape(16, 16)
+    mha.load_state_dict(state)
+    x = torch.randn(3, 12, 16, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(gqa(x), mha(x), atol=1e-12, rtol=0)
+        q = gqa.W_query(x).view(3, 12, 4, 4).transpose(1, 2)
+        k = gqa.W_key(x).view(3, 12, 2, 4).transpose(1, 2)
+        v = gqa.W_value(x).view(3, 12, 2, 4).transpose(1, 2)
+        sdpa = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        want = gqa.out_proj(sdpa.transpose(1, 2).reshape(3, 12, 16))
+        torch.testing.assert_close(gqa(x), want, atol=1e-12, rtol=0)
+    assert sum(p.numel() for p in gqa.parameters()) < sum(p.numel() for p in mha.parameters())
+
+
+def test_rope_scores_depend_only_on_the_distance():
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 3, 10, 8, dtype=torch.float64), torch.randn(2, 3, 10, 8, dtype=torch.float64)
+    positions = torch.arange(10)
+    scores = apply_rope(q, positions) @ apply_rope(k, positions).transpose(-1, -2)
+    for shift in [1, 7, 1000, 123_456]:
+        shifted = apply_rope(q, positions + shift) @ apply_rope(k, positions + shift).transpose(-1, -2)
+        assert (shifted - scores).abs().max() <= 1e-9
+    # and it is a rotation: lengths do not change, position 0 is the identity
+    torch.testing.assert_close(apply_rope(q, positions).norm(dim=-1), q.norm(dim=-1), atol=1e-12, rtol=0)
+    torch.testing.assert_close(apply_rope(q[..., :1, :], positions[:1]), q[..., :1, :], atol=0, rtol=0)
+
+
+def test_defaults_leave_the_module_as_it_was():
+    torch.manual_seed(0)
+    m = MultiHeadAttention(12, 12, 20, num_heads=3)
+    assert {n: tuple(p.shape) for n, p in m.state_dict().items()} == {
+        'W_query.weight': (12, 12), 'W_key.weight': (12, 12), 'W_value.weight': (12, 12),
+        'out_proj.weight': (12, 12), 'out_proj.bias': (12,)}
+    assert (m.num_kv_heads, m.window, m.rope) == (3, None, False)
+    assert 'rope' not in repr(m) and 'window' not in repr(m)
+
+
+@pytest.mark.parametrize('opts', [dict(window=2), dict(rope=True), dict(num_kv_heads=1),
+                                  dict(num_kv_heads=2, window=3, rope=True)], ids=name)
+def test_no_future_leaks(opts):
+    torch.manual_seed(0)
+    m = MultiHeadAttention(8, 8, 12, num_heads=4, **opts).double()
+    x = torch.randn(2, 9, 8, dtype=torch.float64)
+    assert not any(leaks_future(m, x, t) for t in range(8))
+    explicit = lambda inputs: m(inputs, return_attn_weights=True)[0]
+    assert not any(leaks_future(explicit, x, t) for t in range(8))
+
+
+def test_window_mask_is_the_band():
+    for T, keys, w in [(5, 5, 1), (5, 5, 2), (6, 6, 10), (3, 9, 4)]:
+        i, j = torch.arange(keys - T, keys)[:, None], torch.arange(keys)[None]
+        assert torch.equal(window_mask(T, w, num_keys=keys), (j > i) | (j <= i - w))
+    assert torch.equal(repeat_kv(torch.arange(2.).view(1, 2, 1, 1), 3).flatten(), torch.tensor([0., 0, 0, 1, 1, 1]))
+
+
+def test_gradients_flow_and_compile_matches_eager():
+    torch.manual_seed(0)
+    m = MultiHeadAttention(8, 8, 16, num_heads=4, num_kv_heads=2, window=4, rope=True).eval()
+    x = torch.randn(2, 10, 8)
+    compiled = torch.compile(m)
+    torch.testing.assert_close(compiled(x), m(x), atol=1e-5, rtol=1e-5)
+    m(x).sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in m.parameters())
+
+
+@pytest.mark.parametrize('kwargs,error,message', [
+    (dict(num_kv_heads=3), ValueError, 'num_kv_heads must divide num_heads'),
+    (dict(num_kv_heads=0), ValueError, 'num_kv_heads must be a positive integer'),
+    (dict(window=0), ValueError, 'window must be a positive integer'),
+    (dict(window=2.5), ValueError, 'window must be a positive integer'),
+    (dict(window=3, causal=False), ValueError, 'it needs causal=True'),
+    (dict(rope=1), TypeError, 'rope must be True or False'),
+    (dict(rope=True, rope_base=1), ValueError, 'rope_base must be a number greater than 1'),
+    (dict(rope=True, d_out=12, num_heads=4), ValueError, 'head_dim (d_out // num_heads) must be even; got 3'),
+])
+def test_bad_options_are_refused_with_a_message(kwargs, error, message):
+    args = dict(d_in=8, d_out=8, context_length=8, num_heads=4) | kwargs
+    with pytest.raises(error, match=message.replace('(', r'\(').replace(')', r'\)')):
+        MultiHeadAttention(**args)
+    with pytest.raises(ValueError, match='head_dim must be even; got 3'):
+        rope_angles(torch.arange(4), 3)

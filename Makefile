@@ -25,24 +25,36 @@ install: $(INSTALLED) ## create .venv and install the package with the pinned de
 docs: $(INSTALLED) ## build the site into _docs/ (Quarto if on PATH, else smalldocs)
 	$(PY) tools/docs.py site
 
-test: $(INSTALLED) ## every check: sync, README, notebooks (incl. slow), site links, pytest
-	$(PY) tools/check.py
+# One pytest run, two workers: each notebook runs once (its cells must not raise and its saved outputs must still be
+# what it prints), beside the checks of the generated files and tests/. Workers run torch on one thread each.
+PYTEST := $(PY) -m pytest -n auto --maxschedchunk 1
 
-test-quick: $(INSTALLED) ## the same, without notebook cells flagged slow
-	$(PY) tools/check.py --quick
+test: $(INSTALLED) ## every check: notebooks (incl. slow cells), generated files, site links, tests, coverage >= 95 %
+	$(PYTEST) -q --cov=selfattn_nbdev --cov-report= --cov-fail-under=95
+
+test-quick: $(INSTALLED) ## the edit loop: make test without coverage, `#| slow` cells and tests marked slow
+	$(PYTEST) -q --quick -m 'not slow and not site'
 
 test-site: $(INSTALLED) ## build the site, serve it on 127.0.0.1 and walk every page in headless Chromium
-	$(PY) tools/walk_site.py --build
+	$(PY) -m pytest -m site -s -q
 
 bench: $(INSTALLED) ## time the attention paths against PyTorch's, generation with/without the KV cache, the tiny GPT with GQA/window/RoPE, tiled memory (~20 min)
 	$(PY) bench/benchmark.py
 	$(PY) bench/generation.py
 	$(PY) bench/modern.py
 	$(PY) bench/memory_tiled.py
-	$(PY) tools/run_notebook.py nbs/07_tiled.ipynb nbs/08_modern.ipynb nbs/09_performance.ipynb
+	$(call run_nbs,nbs/07_tiled.ipynb nbs/08_modern.ipynb nbs/09_performance.ipynb)
+
+# Run notebooks top to bottom from their own folder with nbdev's engine (execnb's exec_nb), stopping at the first
+# cell that raises, and save them with their fresh outputs, cleaned.
+run_nbs = @for nb in $(1); do \
+	  (cd "$$(dirname $$nb)" && $(abspath $(BIN))/exec_nb "$$(basename $$nb)" --dest "$$(basename $$nb)" --exc_stop) \
+	  && $(BIN)/nbdev_clean --fname "$$nb" && echo "ran and saved $$nb" || exit 1; \
+	done
 
 run: $(INSTALLED) ## run notebooks and save their outputs: make run NB="nbs/03_causal.ipynb nbs/04_multihead.ipynb"
-	$(PY) tools/run_notebook.py $(NB)
+	@test -n "$(NB)" || { echo 'name the notebooks: make run NB="nbs/03_causal.ipynb ..."'; exit 1; }
+	$(call run_nbs,$(NB))
 
 preview: $(INSTALLED) ## serve the site on localhost and rebuild it on every change
 	$(PY) tools/docs.py preview

@@ -12,13 +12,18 @@ MAX_DIFFS = defaultdict(float)  # (what, against) -> largest absolute difference
 
 
 @pytest.fixture
-def record_diff():
+def record_diff(record_property):
     "Call with (what, against, a, b): records max |a - b| and returns it."
     def record(what, against, a, b):
         d = (a - b).abs().max().item() if a.numel() else 0.0
-        MAX_DIFFS[what, against] = max(MAX_DIFFS[what, against], d)
+        record_property('max_diff', (what, against, d))  # a property reaches the main process from xdist's workers
         return d
     return record
+
+
+def pytest_runtest_logreport(report):
+    for _, (what, against, d) in (p for p in report.user_properties if p[0] == 'max_diff'):
+        MAX_DIFFS[what, against] = max(MAX_DIFFS[what, against], d)
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -84,6 +84,7 @@ def test_dtypes_and_to(name, dtype):
 
 
 @pytest.mark.slow
+@pytest.mark.no_cover  # coverage's tracer makes torch.compile 1.5x slower; the eager tests cover the same lines
 @pytest.mark.parametrize('name', ['CausalAttention', 'MultiHeadAttention', 'MultiHeadAttention(explicit)'])
 def test_torch_compile_matches_eager(name):
     m = make(name, 8, 8, num_heads=2, dtype=torch.float32)

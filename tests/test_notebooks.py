@@ -1,8 +1,9 @@
 """What every page of the site promises its reader, checked on the notebooks themselves.
 
-The notebooks run as tests elsewhere (`nbdev_test`); these tests check their shape: the code is shown and fits its
-box, every story page ends with what it built and with exercises whose solutions check themselves, every figure
-has a caption and alt text, and no public method leaves the site to show PyTorch's inherited docstring."""
+The notebooks also run, each as a test of its own (tools/pytest_notebooks.py); these tests check their shape: the
+code is shown and fits its box, every story page ends with what it built and with exercises whose solutions check
+themselves, every figure has a caption and alt text, and no public method leaves the site to show PyTorch's inherited
+docstring."""
 import importlib, inspect, json, re
 from pathlib import Path
 

@@ -1,12 +1,7 @@
-"""The project's own tooling: the stale-output comparison and the README renderer."""
-import json, sys
-from pathlib import Path
+"""The project's own tooling: the stale-output comparison of the notebook plugin and the README renderer."""
+import json
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT/'tools'))
-
-from check_outputs import same_text, summarise  # noqa: E402
-from docs import readme_markdown  # noqa: E402
+from tools.pytest_notebooks import same_text, summarise
 
 
 def test_numbers_compare_to_printed_precision():
@@ -24,6 +19,7 @@ def test_what_varies_is_normalised():
 
 
 def test_readme_skips_hidden_cells_and_directives(tmp_path):
+    from tools.docs import readme_markdown  # imports nbdev's docs machinery: only when this test runs
     nb = {'cells': [
         {'cell_type': 'markdown', 'metadata': {}, 'source': '# Title\n\nSee [core](core.html#selfattention).'},
         {'cell_type': 'code', 'metadata': {}, 'outputs': [], 'source': '#| hide\nsecret = 1'},

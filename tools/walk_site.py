@@ -1,3 +1,4 @@
+# No library fits: pytest-playwright gives a browser per test, not a walk of a whole site; this is one test (tests/test_site.py) that drives Debian's Chromium with Playwright.
 """Walk the built site in a real browser (headless Chromium driven by Playwright) and check what a reader gets.
 
     python tools/walk_site.py [--site _docs] [--build] [--chromium /usr/bin/chromium]

@@ -1,0 +1,21 @@
+"""The built site as a reader gets it: build it (tools/docs.py site), then walk every page in headless Chromium
+(tools/walk_site.py). Run by `make test-site` (`pytest -m site`); deselected otherwise. Needs Debian's Chromium, or
+$CHROMIUM pointing at a Chrome."""
+import os, subprocess, sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT/'tools'))
+
+import walk_site  # noqa: E402
+
+pytestmark = pytest.mark.site
+
+
+def test_every_page_in_a_browser():
+    chromium = os.environ.get('CHROMIUM', '/usr/bin/chromium')
+    assert Path(chromium).exists(), f'no Chromium at {chromium}: apt-get install chromium, or set CHROMIUM'
+    subprocess.run([sys.executable, 'tools/docs.py', 'site'], cwd=ROOT, check=True)
+    assert walk_site.walk(ROOT/'_docs', chromium) == 0, 'the walk found problems: see `FAIL` lines above'

@@ -1,0 +1,177 @@
+# No library fits: nbmake only runs notebooks; nbval and pytest-notebook compare outputs exactly or by regex (not numbers to their printed precision, not figures by size) and ignore nbdev's `#|` flags.
+"""pytest plugin (loaded by conftest.py): each notebook in nbs/ is one test, run once for two checks.
+
+The notebook runs as `nbdev_test --flags slow` runs it: with nbdev's engine (execnb), from its own folder, skipping
+`#| eval: false` and `nbdev_export()` cells and notebooks whose front matter says `skip_exec`; with `--quick`, cells
+flagged with settings.ini's `tst_flags` (`#| slow`) are skipped too, as plain `nbdev_test` skips them. The test
+fails at the first cell that raises. Otherwise every code cell's fresh outputs are compared with the ones saved in the
+notebook, which are what the site shows:
+- text (results, prints, stderr) after normalising what legitimately varies (memory addresses, object ids,
+  durations), with numbers compared to the precision they are printed with (one unit in the last printed digit);
+- figures by presence and pixel size within 2 % (not pixel values: tight bounding boxes move by a pixel).
+A failure names each cell (numbered from 1, as nbdev does), the head of its source and a diff.
+"""
+import base64, difflib, os, re, struct, traceback
+from pathlib import Path
+
+import pytest
+from execnb.nbio import read_nb
+from fastcore.basics import str2bool
+from nbdev.config import get_config
+from nbdev.frontmatter import FrontmatterProc
+from nbdev.process import NBProcessor, extract_directives, nb_lang
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def pytest_addoption(parser):
+    parser.getgroup('notebooks').addoption(
+        '--quick', action='store_true', help="skip notebook cells flagged with settings.ini's tst_flags (`#| slow`)")
+
+
+def pytest_configure(config):
+    config.addinivalue_line('markers', 'notebook: a notebook of nbs/, run and its saved outputs compared')
+
+
+def pytest_collect_file(file_path: Path, parent):
+    "The notebooks `nbdev_test` would test: under nbs/, no part of the path starting with `_` or `.`, no `.notest`."
+    nbs = get_config(path=ROOT).nbs_path
+    if file_path.suffix != '.ipynb' or not file_path.is_relative_to(nbs): return None
+    if any(p.startswith(('_', '.')) for p in file_path.relative_to(nbs).parts): return None
+    if (file_path.parent/'.notest').exists(): return None
+    return NotebookFile.from_parent(parent, path=file_path)
+
+
+class NotebookFile(pytest.File):
+    def collect(self): yield Notebook.from_parent(self, name=self.path.stem)
+
+
+class NotebookFailure(Exception): pass
+
+
+def _head(cell) -> str:
+    "The cell's first line of code, to find it by."
+    line = next((l for l in cell.source.splitlines() if l.strip() and not l.startswith('#|')), '(no code)')
+    return line if len(line) <= 60 else line[:59] + '…'
+
+
+def _cell_traceback(e: BaseException) -> str:
+    "The traceback of `e` from the notebook cell's own frame on (execnb's and IPython's frames left out)."
+    tb = e.__traceback__
+    while tb and not tb.tb_frame.f_code.co_filename.startswith('<'): tb = tb.tb_next
+    return ''.join(traceback.format_exception(type(e), e, tb or e.__traceback__))
+
+
+class Notebook(pytest.Item):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.add_marker('notebook')
+        self.add_marker('no_cover')  # pytest-cov: tests/ cover the package; tracing the notebooks only slows them
+
+    def skipped(self, cell, flags: set) -> bool:
+        "Whether nbdev_test would skip `cell` (nbdev.test.test_nb's `_no_eval`)."
+        if cell.cell_type != 'code' or 'nbdev_export' + '(' in cell.source: return True
+        direc = extract_directives(cell, remove=False)
+        return direc.get('eval:', [''])[0].lower() == 'false' or bool(flags & direc.keys())
+
+    def runtest(self):
+        from execnb.shell import CaptureShell  # imports matplotlib: only where notebooks run, not in xdist's main process
+        path = self.path
+        fm = getattr(NBProcessor(path, procs=FrontmatterProc, process=True).nb, 'frontmatter_', {})
+        if str2bool(fm.get('skip_exec', False)): pytest.skip('skip_exec in its front matter')
+        nb = read_nb(path)
+        if nb_lang(nb) != 'python': pytest.skip(f'a {nb_lang(nb)} notebook')
+        flags = set(get_config(path=ROOT).tst_flags.split()) if self.config.getoption('quick') else set()
+        run = [c for c in nb.cells if not self.skipped(c, flags)]
+        saved = [c.get('outputs', []) for c in run]
+        for c in run: c.outputs = []
+        todo = {id(c) for c in run}
+        shell, cwd, in_test = CaptureShell(path), os.getcwd(), os.environ.get('IN_TEST')
+        os.environ['IN_TEST'] = '1'
+        os.chdir(path.parent)
+        try: shell.run_all(nb, exc_stop=True, preproc=lambda c: id(c) not in todo)
+        except Exception:
+            cell = nb.cells[shell._cell_idx - 1]
+            raise NotebookFailure(f'{path.name}, cell #{shell._cell_idx} ({_head(cell)}) raised:\n'
+                                  + _cell_traceback(shell.exc)) from None
+        finally:
+            os.chdir(cwd)
+            if in_test is None: os.environ.pop('IN_TEST')
+            shell.reset(new_session=False)  # free the notebook's objects: the worker runs other tests next
+        problems = [p for c, s in zip(run, saved) if (p := compare(c, s))]
+        if problems:
+            raise NotebookFailure(f'{path.name}: {len(problems)} cell(s) print something else than the outputs saved in '
+                                  'the notebook (the site shows those): run it again and save it (`make run NB=...`), '
+                                  'or fix the code.\n\n' + '\n\n'.join(problems))
+
+    def repr_failure(self, excinfo):
+        return str(excinfo.value) if excinfo.errisinstance(NotebookFailure) else super().repr_failure(excinfo)
+
+    def reportinfo(self): return self.path, None, self.path.name
+
+
+def compare(cell, saved) -> str | None:
+    "None if `cell`'s fresh outputs match its `saved` ones, else a report: the cell's number, first line and a diff."
+    sa, sb = summarise(saved), summarise(cell.outputs)
+    same = lambda x, y: x[:2] == y[:2] and (same_text if x[0] == 'text' else same_size)(x[2], y[2])
+    if len(sa) == len(sb) and all(map(same, sa, sb)): return None
+    fmt = lambda s: '\n'.join(f'{k}[{n}]: {v}' for k, n, v in s).splitlines()
+    diff = '\n'.join(difflib.unified_diff(fmt(sa), fmt(sb), 'saved', 'fresh', lineterm=''))
+    return f'cell #{cell.idx_ + 1} ({_head(cell)}):\n{diff}'
+
+
+NUM = re.compile(r'-?\d+\.\d+(?:e[+-]?\d+)?|-?\d+(?:e[+-]?\d+)?|-?inf\b|nan\b', re.I)
+VARIES = [(re.compile(r'0x[0-9a-fA-F]+'), '0x…'),                                   # memory addresses
+          (re.compile(r'\b\d+(?:\.\d+)?\s?(?:ns|µs|us|ms|s|sec|seconds|min)\b'), '<time>'),  # durations
+          (re.compile(r'\bid=\d+'), 'id=…')]
+
+
+def _text(x) -> str: return x if isinstance(x, str) else ''.join(x or [])
+
+
+def _png_size(b64) -> tuple[int, int]: return struct.unpack('>II', base64.b64decode(_text(b64))[16:24])
+
+
+def summarise(outputs) -> list[tuple]:
+    "The comparable content of a cell's outputs: ('text', kind, normalised string) or ('image', mime, size)."
+    res = []
+    for o in outputs:
+        kind, data = o.get('output_type'), o.get('data', {})
+        if kind == 'stream': res.append(('text', o.get('name'), _text(o.get('text'))))
+        elif kind == 'error': res.append(('text', 'error', f"{o.get('ename')}: {o.get('evalue')}"))
+        elif 'image/png' in data: res.append(('image', 'image/png', _png_size(data['image/png'])))
+        elif 'image/svg+xml' in data: res.append(('image', 'image/svg+xml', None))
+        elif 'text/markdown' in data: res.append(('text', 'markdown', _text(data['text/markdown'])))
+        elif 'text/plain' in data: res.append(('text', 'plain', _text(data['text/plain'])))
+    out = []
+    for r in res:
+        if r[0] == 'text':
+            t = r[2]
+            for pat, rep in VARIES: t = pat.sub(rep, t)
+            r = ('text', r[1], t.rstrip())
+        out.append(r)
+    return out
+
+
+def _decimals(s: str) -> int:
+    m = re.match(r'-?\d+\.(\d+)', s)
+    return len(m.group(1)) if m else 0
+
+
+def same_text(saved: str, fresh: str) -> bool:
+    "Equal once numbers are compared to the precision they are printed with."
+    if NUM.sub('#', saved) != NUM.sub('#', fresh): return False
+    for a, b in zip(NUM.findall(saved), NUM.findall(fresh)):
+        if a == b: continue
+        fa, fb = float(a), float(b)
+        if fa != fa and fb != fb: continue  # nan == nan
+        tol = 10 ** -max(_decimals(a), _decimals(b)) * 1.01
+        if 'e' in a.lower() or 'e' in b.lower(): tol = max(abs(fa), abs(fb)) * 1e-3
+        if abs(fa - fb) > tol: return False
+    return True
+
+
+def same_size(a, b) -> bool:
+    "Two pictures' (width, height) agree within 2 %."
+    if a is None or b is None: return a == b
+    return all(abs(x - y) <= 0.02 * max(x, y) for x, y in zip(a, b))

@@ -75,7 +75,6 @@ class Notebook(pytest.Item):
         return direc.get('eval:', [''])[0].lower() == 'false' or bool(flags & direc.keys())
 
     def runtest(self):
-        from execnb.shell import CaptureShell  # imports matplotlib: only where notebooks run, not in xdist's main process
         path = self.path
         fm = getattr(NBProcessor(path, procs=FrontmatterProc, process=True).nb, 'frontmatter_', {})
         if str2bool(fm.get('skip_exec', False)): pytest.skip('skip_exec in its front matter')
@@ -85,19 +84,9 @@ class Notebook(pytest.Item):
         run = [c for c in nb.cells if not self.skipped(c, flags)]
         saved = [c.get('outputs', []) for c in run]
         for c in run: c.outputs = []
-        todo = {id(c) for c in run}
-        shell, cwd, in_test = CaptureShell(path), os.getcwd(), os.environ.get('IN_TEST')
-        os.environ['IN_TEST'] = '1'
-        os.chdir(path.parent)
-        try: shell.run_all(nb, exc_stop=True, preproc=lambda c: id(c) not in todo)
-        except Exception:
-            cell = nb.cells[shell._cell_idx - 1]
-            raise NotebookFailure(f'{path.name}, cell #{shell._cell_idx} ({_head(cell)}) raised:\n'
-                                  + _cell_traceback(shell.exc)) from None
-        finally:
-            os.chdir(cwd)
-            if in_test is None: os.environ.pop('IN_TEST')
-            shell.reset(new_session=False)  # free the notebook's objects: the worker runs other tests next
+        outputs, error = _run_in_child(path, nb, {id(c) for c in run})
+        if error: raise NotebookFailure(error)
+        for c, out in zip(run, outputs): c.outputs = out
         problems = [p for c, s in zip(run, saved) if (p := compare(c, s))]
         if problems:
             raise NotebookFailure(f'{path.name}: {len(problems)} cell(s) print something else than the outputs saved in '
@@ -108,6 +97,33 @@ class Notebook(pytest.Item):
         return str(excinfo.value) if excinfo.errisinstance(NotebookFailure) else super().repr_failure(excinfo)
 
     def reportinfo(self): return self.path, None, self.path.name
+
+
+def _run_in_child(path: Path, nb, todo: set) -> tuple[list, str | None]:
+    """Execute the cells of `nb` whose id is in `todo`, in a forked copy of this process; return their outputs, or
+    the failure. A notebook sets things for its whole process (matplotlib's rc and font state, torch's print options,
+    seeds); in a fork, none of it reaches the next notebook that this xdist worker runs."""
+    import multiprocessing
+    reader, writer = multiprocessing.get_context('fork').Pipe(duplex=False)
+    def child():
+        from execnb.shell import CaptureShell
+        shell, error = CaptureShell(path), None
+        os.environ['IN_TEST'] = '1'
+        os.chdir(path.parent)
+        try: shell.run_all(nb, exc_stop=True, preproc=lambda c: id(c) not in todo)
+        except Exception:
+            cell = nb.cells[shell._cell_idx - 1]
+            error = (f'{path.name}, cell #{shell._cell_idx} ({_head(cell)}) raised:\n'
+                     + _cell_traceback(shell.exc))
+        writer.send(([c.get('outputs', []) for c in nb.cells if id(c) in todo], error))
+        os._exit(0)
+    proc = multiprocessing.get_context('fork').Process(target=child)
+    proc.start()
+    writer.close()
+    try: outputs, error = reader.recv()
+    except EOFError: outputs, error = [], f'{path.name}: the process running it died (exit code {proc.join() or proc.exitcode})'
+    proc.join()
+    return outputs, error
 
 
 def compare(cell, saved) -> str | None:

@@ -50,6 +50,7 @@ def exact(fn, *tensors):
     return fn(*(t.detach().double() for t in tensors))
 
 
+@pytest.mark.no_cover  # a sweep of Python loops: slow under coverage's tracer; the small tests below cover the lines
 @pytest.mark.parametrize('dtype', DTYPES, ids=str)
 def test_forward_equals_sdpa_for_every_length_and_block_size(dtype, record_diff):
     """Within 1e-6 (float32) or 1e-12 (float64) of SDPA. In float32, SDPA itself is sometimes a little more than 1e-6
@@ -75,6 +76,7 @@ def test_forward_equals_sdpa_for_every_length_and_block_size(dtype, record_diff)
 GRAD_CASES = [(1, 1), (2, 1), (5, 2), (17, 4), (64, 64), (100, 7), (333, 64), (2000, 700)]
 
 
+@pytest.mark.no_cover  # a sweep of Python loops: slow under coverage's tracer; the small tests below cover the lines
 @pytest.mark.parametrize('dtype', DTYPES, ids=str)
 def test_gradients_equal_sdpa(dtype, record_diff):
     "float64: within 1e-12 of SDPA. float32: as close to the exact (float64) gradients as SDPA is, give or take 1e-6."
@@ -100,6 +102,7 @@ def test_gradients_equal_sdpa(dtype, record_diff):
                 assert ours_err <= sdpa_err + 1e-6, f'{where}, d{name}: {ours_err:.1e} vs SDPA {sdpa_err:.1e}'
 
 
+@pytest.mark.no_cover  # a sweep of Python loops: slow under coverage's tracer; the small tests below cover the lines
 @pytest.mark.parametrize('causal', [False, True])
 def test_gradcheck_in_float64(causal):
     for T, S, block_size in [(1, 1, 1), (7, 7, 3), (5, 9, 2), (9, 5, 4)]:

@@ -263,9 +263,10 @@ class MultiHeadAttention(nn.Module):
         extras = [f"num_kv_heads={self.num_kv_heads}"] * shared
         extras += [f"window={self.window}"] * (self.window is not None)
         extras += [f"rope=True, rope_base={self.rope_base:g}"] * self.rope
-        return ", ".join([f"d_in={self.d_in}, d_out={self.d_out}",
-                          f"context_length={self.context_length}",
-                          f"num_heads={self.num_heads}, causal={self.causal}", *extras])
+        sizes = (f"d_in={self.d_in}, d_out={self.d_out}, "
+                 f"context_length={self.context_length}, "
+                 f"num_heads={self.num_heads}, causal={self.causal}")
+        return sizes + (",\n" + ", ".join(extras) if extras else "")  # options: 2nd line
 
 
 # %% ../nbs/04_multihead.ipynb #dbd683b0

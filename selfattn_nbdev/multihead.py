@@ -266,7 +266,7 @@ class MultiHeadAttention(nn.Module):
         sizes = (f"d_in={self.d_in}, d_out={self.d_out}, "
                  f"context_length={self.context_length}, "
                  f"num_heads={self.num_heads}, causal={self.causal}")
-        return sizes + (",\n" + ", ".join(extras) if extras else "")  # options: 2nd line
+        return sizes + (",\n" + ", ".join(extras) if extras else "")  # 2nd line
 
 
 # %% ../nbs/04_multihead.ipynb #dbd683b0

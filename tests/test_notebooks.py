@@ -111,3 +111,10 @@ def test_public_methods_have_their_own_docstring(qualname, fn):
 def test_every_exported_name_is_documented():
     for name in selfattn_nbdev.__all__:
         assert getattr(selfattn_nbdev, name).__doc__, name
+
+
+@pytest.mark.parametrize('nb', NOTEBOOKS, ids=lambda p: p.stem)
+def test_no_code_inside_link_text(nb):
+    "nbdev links a backticked API name itself; inside a link's text that makes a nested link, which Quarto prints raw."
+    nested = [m.group(0) for src in cells(nb, 'markdown') for m in re.finditer(r'\[`[^`\]]+`\]\([^)]*\)', src)]
+    assert not nested, f'{nb.name}: backticked names inside link text: {nested[:3]}'

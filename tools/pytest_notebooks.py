@@ -103,10 +103,12 @@ def _run_in_child(path: Path, nb, todo: set) -> tuple[list, str | None]:
     """Execute the cells of `nb` whose id is in `todo`, in a forked copy of this process; return their outputs, or
     the failure. A notebook sets things for its whole process (matplotlib's rc and font state, torch's print options,
     seeds); in a fork, none of it reaches the next notebook that this xdist worker runs."""
-    import multiprocessing
+    import multiprocessing, sys
+    from execnb.shell import CaptureShell  # with matplotlib and IPython: imported once here, not in every child
     reader, writer = multiprocessing.get_context('fork').Pipe(duplex=False)
     def child():
-        from execnb.shell import CaptureShell
+        # GNU OpenMP hangs in a fork whose parent has run torch on several threads: keep the child on one
+        if 'torch' in sys.modules: sys.modules['torch'].set_num_threads(1)
         shell, error = CaptureShell(path), None
         os.environ['IN_TEST'] = '1'
         os.chdir(path.parent)

@@ -380,11 +380,12 @@ EXPLORER_CSS = """
 
 # %% ../nbs/10_explorer.ipynb #a7b80254
 def reference_module(
-    inputs:dict, # an explorer's data-inputs: tokens, embeddings, W_query...
+    inputs, # an explorer's data-inputs (tokens, W_query...), or the explorer
     causal:bool|None=None, # mask the future (None: as the explorer starts)
 ) -> nn.Module:
     "The package's module for an explorer's matrices, in float64, scaled by 1/√d_k."
-    ex = AttentionExplorer.from_inputs(inputs)
+    ex = inputs
+    if not isinstance(ex, AttentionExplorer): ex = AttentionExplorer.from_inputs(inputs)
     causal = ex.causal if causal is None else causal
     heads, d_in, d_k = ex.W_query.shape
     d = max(d_k, ex.W_value.shape[2])     # the modules use one size for q, k and v
@@ -424,8 +425,8 @@ def package_attention(
     ex = AttentionExplorer.from_inputs(inputs)
     heads, T, d_v = ex.num_heads, len(ex.tokens), ex.W_value.shape[2]
     with torch.no_grad():
-        out, attn_weights = reference_module(inputs, causal)(ex.embeddings,
-                                                             return_attn_weights=True)
+        out, attn_weights = reference_module(ex, causal)(ex.embeddings,
+                                                         return_attn_weights=True)
     attn_weights = attn_weights.reshape(heads, T, T)
     context_vecs = out.reshape(T, heads, -1).transpose(0, 1)[..., :d_v]  # (h, T, d_v)
     return attn_weights, context_vecs

@@ -112,11 +112,13 @@ class MultiHeadAttention(nn.Module):
                  window:int|None=None, # causal only: see just the window latest tokens
                  rope:bool=False, # rotary position embeddings on queries and keys
                  rope_base:float=10000.0, # RoPE's wavelength scale
+                 out_bias:bool=True, # a learned bias in out_proj (Llama's has none)
                 ):
         super().__init__()
         check_size(d_in, 'd_in'); check_size(d_out, 'd_out')
         check_size(context_length, 'context_length')
         check_flag(qkv_bias, 'qkv_bias'); check_flag(causal, 'causal')
+        check_flag(out_bias, 'out_bias')
         check_heads(d_out, num_heads); check_dropout(dropout)
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         check_kv_heads(num_heads, num_kv_heads)
@@ -130,7 +132,7 @@ class MultiHeadAttention(nn.Module):
         self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.W_key = nn.Linear(d_in, kv_dim, bias=qkv_bias)
         self.W_value = nn.Linear(d_in, kv_dim, bias=qkv_bias)
-        self.out_proj = nn.Linear(d_out, d_out)
+        self.out_proj = nn.Linear(d_out, d_out, bias=out_bias)
         self.dropout = nn.Dropout(dropout)
         self._rope_cache = None  # RoPE's cos and sin, built on first use
 
@@ -150,7 +152,8 @@ class MultiHeadAttention(nn.Module):
         "Undo `_split_heads`: concatenate the heads of each token again."
         b, _, num_tokens, _ = context.shape
         context = context.transpose(1, 2)                   # (b, T, heads, head_dim)
-        return context.reshape(b, num_tokens, self.d_out)   # (b, T, d_out)
+        # -1, not d_out: a rank of a tensor-parallel run holds only some of the heads
+        return context.reshape(b, num_tokens, -1)           # (b, T, heads * hd)
 
     def _rope_table(self,
                     num_positions:int, # positions needed: 0 .. num_positions - 1
@@ -263,6 +266,7 @@ class MultiHeadAttention(nn.Module):
         extras = [f"num_kv_heads={self.num_kv_heads}"] * shared
         extras += [f"window={self.window}"] * (self.window is not None)
         extras += [f"rope=True, rope_base={self.rope_base:g}"] * self.rope
+        extras += ["out_bias=False"] * (self.out_proj.bias is None)
         sizes = (f"d_in={self.d_in}, d_out={self.d_out}, "
                  f"context_length={self.context_length}, "
                  f"num_heads={self.num_heads}, causal={self.causal}")
@@ -277,6 +281,13 @@ def to_torch_multihead(
     if m.d_in != m.d_out:
         raise ValueError(f"nn.MultiheadAttention needs d_in == d_out; "
                          f"got d_in={m.d_in}, d_out={m.d_out}")
+    cannot = {'num_kv_heads': m.num_kv_heads != m.num_heads,  # no key/value groups,
+              'window': m.window is not None, 'rope': m.rope}  # no window, no rotation
+    if any(cannot.values()):
+        name = next(k for k, v in cannot.items() if v)
+        raise ValueError(f"nn.MultiheadAttention cannot express {name}="
+                         f"{getattr(m, name)!r}: only a module with num_kv_heads == "
+                         f"num_heads, window=None and rope=False converts")
     device, dtype = m.out_proj.weight.device, m.out_proj.weight.dtype
     ref = nn.MultiheadAttention(m.d_out, m.num_heads, dropout=m.dropout.p, bias=True,
                                 batch_first=True, device=device, dtype=dtype)
@@ -288,7 +299,8 @@ def to_torch_multihead(
         in_bias = [no_bias if p.bias is None else p.bias for p in projections]
         ref.in_proj_bias.copy_(torch.cat(in_bias))    # (3 d_out,)
         ref.out_proj.weight.copy_(m.out_proj.weight)
-        ref.out_proj.bias.copy_(m.out_proj.bias)
+        out_bias = m.out_proj.bias
+        ref.out_proj.bias.copy_(no_bias if out_bias is None else out_bias)
     return ref.train(m.training)
 
 # %% ../nbs/04_multihead.ipynb #f0cb29a2

@@ -67,6 +67,24 @@ def test_reprs_name_the_sizes():
 def test_to_torch_multihead_refuses_what_it_cannot_express():
     with pytest.raises(ValueError, match=r'needs d_in == d_out; got d_in=3, d_out=4'):
         to_torch_multihead(MultiHeadAttention(3, 4, 8, qkv_bias=True))
+    for option, given in [('num_kv_heads', 2), ('window', 3), ('rope', True)]:
+        m = MultiHeadAttention(8, 8, 16, num_heads=4, **{option: given})
+        with pytest.raises(ValueError, match=rf'cannot express {option}={given!r}'):
+            to_torch_multihead(m)
+
+
+def test_out_bias_can_be_left_out_and_converts_as_zero():
+    torch.manual_seed(0)
+    m = MultiHeadAttention(4, 4, 8, num_heads=2, out_bias=False).eval()
+    assert m.out_proj.bias is None and 'out_bias=False' in repr(m)
+    assert 'out_proj.bias' not in m.state_dict()
+    ref = to_torch_multihead(m)
+    assert torch.count_nonzero(ref.out_proj.bias) == 0
+    x = torch.randn(2, 5, 4)
+    theirs, _ = ref(x, x, x, attn_mask=causal_mask(5), need_weights=False)
+    torch.testing.assert_close(m(x), theirs)
+    with pytest.raises(TypeError, match='out_bias'):
+        MultiHeadAttention(4, 4, 8, out_bias='no')
 
 
 def test_to_torch_multihead_without_qkv_bias_uses_zero_biases():

@@ -15,7 +15,7 @@ import selfattn_nbdev
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT/'nbs').glob('*.ipynb'))
 # The landing page (also the README) stays short and hands over to Core; the benchmark page measures, it builds nothing.
-STORY = [p for p in NOTEBOOKS if p.stem not in ('index', '09_performance')]
+STORY = [p for p in NOTEBOOKS if p.stem not in ('index', '07_performance')]
 MAX_LINE = 88  # an 88-character line fits the text column at 1280 px (checked in the browser by tools/walk_site.py)
 
 
@@ -118,3 +118,51 @@ def test_no_code_inside_link_text(nb):
     "nbdev links a backticked API name itself; inside a link's text that makes a nested link, which Quarto prints raw."
     nested = [m.group(0) for src in cells(nb, 'markdown') for m in re.finditer(r'\[`[^`\]]+`\]\([^)]*\)', src)]
     assert not nested, f'{nb.name}: backticked names inside link text: {nested[:3]}'
+
+
+def sidebar() -> dict:
+    "The sidebar's groups, in reading order: {group title (None for the landing page): [notebook, ...]}."
+    import yaml
+    groups = {}
+    for item in yaml.safe_load((ROOT/'nbs'/'sidebar.yml').read_text())['website']['sidebar']['contents']:
+        if isinstance(item, str): groups.setdefault(None, []).append(item)
+        else: groups[item['section']] = list(item['contents'])
+    return groups
+
+
+def page(nb_name: str) -> str: return re.sub(r'^\d+_', '', nb_name).replace('.ipynb', '.html')
+
+
+def test_sidebar_lists_every_notebook_once_in_three_groups():
+    groups = sidebar()
+    assert list(groups) == [None, 'The story', 'Beyond the story', 'Reference'], list(groups)
+    listed = [nb for nbs in groups.values() for nb in nbs]
+    assert sorted(listed) == sorted(p.name for p in NOTEBOOKS), 'every notebook in the sidebar, once'
+    assert groups[None] == ['index.ipynb']
+
+
+NEXT = re.compile(r'(?:^|[.!?]\s+)Next,\s*\[[^\]]*\]\((\w+\.html)[^)]*\)|^##+ (?:What\'s next|Next)\n+[^\[]*\[[^\]]*\]\((\w+\.html)', re.M)
+
+
+def test_every_next_sentence_names_the_next_page():
+    "A page's 'Next, [..](page.html)' (or its 'Next' section) must point where the footer's next link goes."
+    order = [nb for nbs in sidebar().values() for nb in nbs]
+    closing = sidebar()['The story'] + sidebar()['Beyond the story'][:-1]  # pages that hand over to the next
+    for i, nb in enumerate(order[:-1]):
+        text = '\n\n'.join(cells(ROOT/'nbs'/nb, 'markdown'))
+        said = [a or b for a, b in NEXT.findall(text)]
+        if nb in closing: assert said, f'{nb}: no "Next, [...](page.html)" sentence'
+        assert all(s == page(order[i + 1]) for s in said), f'{nb}: says next is {said}, footer: {page(order[i + 1])}'
+
+
+DEFINITION = re.compile(r'^(?:class|def)\s+(\w+)', re.M)
+
+
+@pytest.mark.parametrize('nb', NOTEBOOKS, ids=lambda p: p.stem)
+def test_each_definition_is_shown_once(nb):
+    "An exported definition is shown by its source; the page gets a table of its parameters, not its signature again."
+    shown = [src for src in cells(nb) if 'hide' not in options(src)]
+    assert not [s for s in shown if re.match(r'show_doc\(', s)], f'{nb.name}: show_doc repeats a shown definition'
+    names = [n for src in shown for n in DEFINITION.findall(src)]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    assert not twice, f'{nb.name}: defined twice on the page: {twice}'

@@ -14,9 +14,12 @@ import argparse, base64, json, os, re, shutil, signal, subprocess, sys, time
 from pathlib import Path
 
 from nbdev.config import get_config
-from nbdev.quarto import nbdev_sidebar, refresh_quarto_yml
+from nbdev.quarto import refresh_quarto_yml
 from nbdev.serve import proc_nbs
-import nbdev.doclinks
+import nbdev.doclinks, nbdev.showdoc
+
+sys.path.insert(0, str(Path(__file__).parent))
+from showdoc_tables import ParamTables
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,10 +29,52 @@ def preprocess(force: bool = True) -> Path:
     os.chdir(ROOT)
     refresh_quarto_yml()
     nbdev.doclinks._build_modidx()
-    nbdev_sidebar.__wrapped__()
-    proc = proc_nbs(force=force, n_workers=0)
-    (get_config().nbs_path/'sidebar.yml').unlink(missing_ok=True)  # generated; its copy in _proc/ is the one used
+    nbdev.showdoc.BasicMarkdownRenderer = ParamTables  # see ParamTables
+    proc = proc_nbs(force=force, n_workers=0)  # nbs/sidebar.yml is written by hand: custom_sidebar = True
+    for nb in proc.glob('*.ipynb'): reader_additions(nb)
     return proc
+
+
+SOLUTION = re.compile(r'^#\|\s*code-summary:\s*"?Solution', re.M)
+FOLD = re.compile(r'^#\|\s*code-(fold|summary):.*\n?', re.M)
+
+
+def _md_cell(text: str) -> dict: return {'cell_type': 'markdown', 'metadata': {}, 'source': text}
+
+
+def reader_additions(nb: Path) -> None:
+    """What each processed page gets beyond its notebook.
+
+    - An exercise's solution is folded *with its output*: Quarto's `code-fold` folds only the source, so the
+      printed answer showed below the fold. The cell goes inside a `<details>` instead, under both renderers.
+    - Under the title: a link to download the page's notebook (copied into the site by `copy_notebooks`) and one
+      to open it in Colab, from the published repository."""
+    data = json.loads(nb.read_text())
+    cells, out = data['cells'], []
+    for cell in cells:
+        src = _text(cell.get('source', ''))
+        if cell['cell_type'] == 'code' and SOLUTION.search(src):
+            cell['source'] = FOLD.sub('', src)
+            out += [_md_cell('<details class="solution">\n<summary>Solution</summary>'), cell, _md_cell('</details>')]
+        else: out.append(cell)
+    cfg, name = get_config(), nb.name
+    if (cfg.nbs_path/name).exists():
+        colab = f"https://colab.research.google.com/github/{cfg.user}/{cfg.repo}/blob/{cfg.branch}/{cfg.nbs_path.name}/{name}"
+        links = (f'<p class="notebook-links"><a href="notebooks/{name}" download>Download this notebook</a> · '
+                 f'<a href="{colab}">Open it in Colab</a></p>')
+        first = next((i for i, c in enumerate(out) if c['cell_type'] != 'raw'), 0)
+        out.insert(first, _md_cell(links))
+    data['cells'] = out
+    nb.write_text(json.dumps(data))
+
+
+def copy_notebooks(site_dir: Path) -> str:
+    "Put each page's notebook in the site, for its download link."
+    dest = site_dir/'notebooks'
+    dest.mkdir(exist_ok=True)
+    nbs = sorted(get_config().nbs_path.glob('*.ipynb'))
+    for p in nbs: shutil.copy2(p, dest/p.name)
+    return f'{len(nbs)} notebooks copied for download'
 
 
 def _output_file(nb: Path) -> str | None:
@@ -42,7 +87,7 @@ def _output_file(nb: Path) -> str | None:
 def smalldocs_names(proc: Path) -> None:
     """Give each processed notebook the name of its page, as Quarto's `output-file` does.
 
-    nbdev names pages after their notebook without its number prefix (`00_core.ipynb` -> `core.html`), and its
+    nbdev names pages after their notebook without its number prefix (`90_core.ipynb` -> `core.html`), and its
     doc links point there. Quarto reads that from `output-file`; smalldocs does not, so rename the files."""
     sidebar = proc/'sidebar.yml'
     text = sidebar.read_text()
@@ -133,7 +178,7 @@ def render(proc: Path) -> str:
         smalldocs_names(proc)
         subprocess.run([sys.executable, '-m', 'smalldocs.cli', 'render', str(proc)], check=True)
         renderer = 'smalldocs'
-    renderer += f' ({vendor_katex(out)}; {local_links(out)}; {drop_widget_loaders(out)})'
+    renderer += f' ({vendor_katex(out)}; {local_links(out)}; {drop_widget_loaders(out)}; {copy_notebooks(out)})'
     shutil.rmtree(cfg.doc_path, ignore_errors=True)
     shutil.move(str(out), str(cfg.doc_path))
     return renderer

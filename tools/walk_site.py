@@ -10,7 +10,8 @@ For every page in the sidebar, at 1280 px and at a 390 px phone width:
 - every image has loaded (naturalWidth > 0);
 - its maths is typeset (KaTeX or MathJax elements present, no raw \\( \\) left in the text), also when the
   landing page is opened from disk with the network blocked (the maths engine must come from the site itself);
-- at 1280 px, no code block or output is wider than its box (its text would be cut off until scrolled);
+- at 1280 px, no code block, output or display equation is wider than its box (its text would be cut off until
+  scrolled), and no definition (`class X`, `def f`) is shown twice on a page;
   it has previous/next links at the bottom, and no link to the site's own pages leaves the local build;
 - on the phone width, the body does not scroll sideways and nothing outside a scroll box is wider than it;
 - a full-page screenshot is saved under _artifacts/screenshots/;
@@ -157,8 +158,17 @@ PAGE_FACTS = """(VIEWPORT) => {
     .map(e => `${e.scrollWidth}>${e.clientWidth}px: ${e.innerText.split('\\n').sort((a, b) => b.length - a.length)[0].slice(0, 60)}`);
   const widest = boxes.reduce((w, e) => e.scrollWidth > w[0] ? [e.scrollWidth, e.clientWidth] : w, [0, 0]);
   const pageNav = document.querySelectorAll('nav.page-navigation a[href]').length;
+  // Display equations wider than their box: on a desktop they must fit (or break into aligned lines).
+  const wideMath = [...document.querySelectorAll('.katex-display, mjx-container[display]')]
+    .filter(e => e.scrollWidth > e.clientWidth + 1 || e.getBoundingClientRect().right > (e.parentElement.getBoundingClientRect().right + 1))
+    .map(e => `${e.scrollWidth}>${e.clientWidth}px: ${(e.querySelector('annotation') || e).textContent.slice(0, 50)}`);
+  // Top-level definitions in the shown code: each name once per page (an exported one is not repeated by show_doc).
+  const defs = [];
+  for (const c of document.querySelectorAll('main pre code, #quarto-document-content pre code'))
+    for (const l of c.textContent.split('\n')) { const m = l.match(/^(?:class|def)\s+(\w+)/); if (m) defs.push(m[1]); }
+  const twice = [...new Set(defs.filter((d, i) => defs.indexOf(d) !== i))];
   return {links, images, ids, math, rawMath, sidebar, scrollWidth: document.documentElement.scrollWidth,
-          innerWidth: window.innerWidth, title: document.title, cutOff, clipped, widest, pageNav};
+          innerWidth: window.innerWidth, title: document.title, cutOff, clipped, widest, pageNav, wideMath, twice};
 }"""
 
 
@@ -208,6 +218,9 @@ def walk(site: Path, chromium: str) -> int:
                     rep.check(not f['clipped'], f'{name}: no code block or output wider than its box at {width} px '
                                                 f'(found {len(f["clipped"])}: {f["clipped"][:2]})')
                     rep.check(f['pageNav'] >= 1, f'{name}: has previous/next links at the bottom')
+                    rep.check(not f['wideMath'], f'{name}: every display equation fits its box at {width} px '
+                                                 f'(found {len(f["wideMath"])}: {f["wideMath"][:2]})')
+                    rep.check(not f['twice'], f'{name}: each definition is shown once (twice: {f["twice"]})')
                     own = [l for l in f['links'] if l.startswith(published)]
                     rep.check(not own, f'{name}: links to its own site stay local (found {own[:2]})')
                     rep.check(f['rawMath'] == 0, f'{name}: no raw TeX delimiters left in the text (found {f["rawMath"]})')

@@ -33,3 +33,24 @@ def test_readme_skips_hidden_cells_and_directives(tmp_path):
     assert '](https://example.org/site/core.html#selfattention)' in md
     assert '```python\n1 + 1\n```' in md and '```\n2\n```' in md
     assert images == {}
+
+
+def test_search_index_text_has_no_tex():
+    from tools.docs import plain_maths
+    assert plain_maths(r'\alpha_j = \frac{e^{s_j - m}}{l}') == 'α_j = (e^(s_j - m))/l'
+    assert plain_maths(r'\mathrm{softmax}\!\left(\frac{QK^\top}{\sqrt{d_k}}\right) V') == 'softmax (QK^ᵀ/√(d_k)) V'
+    assert plain_maths(r'\omega_{ij} = x^{(i)} \cdot x^{(j)}') == 'ω_(ij) = x^((i)) · x^((j))'
+    assert plain_maths('no maths: a $5 note') == 'no maths: a 5 note'
+    assert '\\' not in plain_maths(r'\begin{aligned} m &= \max(m, s) \\ l &= l\, e^{m} \end{aligned}')
+
+
+def test_figure_text_is_measured_on_a_phone():
+    import matplotlib; matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    from tools.pytest_notebooks import figure_text_px
+    fig, ax = plt.subplots(figsize=(7, 3)); ax.set_title('small', fontsize=9); ax.set_xlabel('large', fontsize=14)
+    (px_small, text_small), *_ = figure_text_px(fig)
+    assert text_small == 'small' and abs(px_small - 9 / 72 * 339 / 7) < 1e-9      # 6.05 px: too small
+    fig.set_figwidth(3)                                                         # shown at 94.5 px per inch
+    assert abs(figure_text_px(fig)[0][0] - 9 / 72 * 94.5) < 1e-9
+    plt.close(fig)

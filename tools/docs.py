@@ -68,6 +68,63 @@ def reader_additions(nb: Path) -> None:
     nb.write_text(json.dumps(data))
 
 
+TEX_SYMBOLS = {
+    'alpha': 'α', 'beta': 'β', 'gamma': 'γ', 'omega': 'ω', 'theta': 'θ', 'mu': 'μ', 'sigma': 'σ', 'sqrt': '√',
+    'cdot': '·', 'times': '×', 'dots': '…', 'ldots': '…', 'cdots': '⋯', 'sum': 'Σ', 'infty': '∞', 'leftarrow': '←',
+    'rightarrow': '→', 'to': '→', 'le': '≤', 'leq': '≤', 'ge': '≥', 'geq': '≥', 'ne': '≠', 'neq': '≠', 'approx': '≈',
+    'in': '∈', 'top': 'ᵀ', 'circ': '∘', 'propto': '∝', 'pm': '±', 'qquad': '  ', 'quad': ' ', 'lfloor': '⌊',
+    'rfloor': '⌋', 'lceil': '⌈', 'rceil': '⌉', 'log': 'log', 'exp': 'exp', 'max': 'max', 'min': 'min'}
+TEX_DROPPED = r'(?:mathrm|text|mathbf|mathit|operatorname|left|right|big|Big|bigl|bigr|textstyle|displaystyle|hat|tilde)'
+
+
+def _group(text: str, i: int) -> tuple[str, int]:
+    "The balanced `{...}` group that starts at text[i] (or the single character there), and the index after it."
+    if i >= len(text) or text[i] != '{': return text[i:i + 1], i + 1
+    depth = 0
+    for j in range(i, len(text)):
+        depth += {'{': 1, '}': -1}.get(text[j], 0)
+        if depth == 0: return text[i + 1:j], j + 1
+    return text[i + 1:], len(text)
+
+
+def _fracs(text: str) -> str:
+    "`\\frac{a}{b}` -> `a/b`, with parentheses around a part that is more than one term."
+    out, i = [], 0
+    while (k := text.find('\\frac', i)) >= 0:
+        num, j = _group(text, k + 5); den, j = _group(text, j)
+        part = lambda p: f'({_fracs(p)})' if re.search(r'[\s+−-]', p.strip()) else _fracs(p).strip()
+        out += [text[i:k], part(num), '/', part(den)]; i = j
+    return ''.join(out) + text[i:]
+
+
+def plain_maths(text: str) -> str:
+    """TeX as a reader types it into a search box: `\\alpha_j = \\frac{e^{s_j - m}}{l}` -> `α_j = e^(s_j - m)/l`.
+
+    Search indexes hold the text of a page with its maths as TeX source, and show it in their result snippets."""
+    text = re.sub(r'\\(?:begin|end)\{[a-z*]+\}|\\[()\[\]]|\$', '', text)
+    text = re.sub(r'\\\\|&', ' ', text)                        # aligned lines and columns
+    text = re.sub(r'\\[,;:! ]', ' ', text)                       # spacing commands
+    text = _fracs(re.sub(r'\\' + TEX_DROPPED + r'(?![A-Za-z])\s*', '', text))
+    for _ in range(4):                                         # innermost groups first
+        text = re.sub(r'\\sqrt\{([^{}]*)\}', lambda m: '√' + (m.group(1) if len(m.group(1)) == 1 else f'({m.group(1)})'), text)
+        text = re.sub(r'([\^_])\{([^{}]*)\}', lambda m: m.group(1) + (m.group(2) if len(m.group(2)) == 1 else f'({m.group(2)})'), text)
+        text = re.sub(r'\{([^{}]*)\}', r'\1', text)
+    text = re.sub(r'\\([A-Za-z]+)', lambda m: TEX_SYMBOLS.get(m.group(1), m.group(1)), text)
+    return re.sub(r'[ \t]{2,}', ' ', text)
+
+
+def clean_search_index(site_dir: Path) -> str:
+    "Search results without raw TeX: each entry's text, title and section as `plain_maths` writes them."
+    index = site_dir/'search.json'
+    if not index.exists(): return 'no search index'
+    entries = json.loads(index.read_text())
+    for e in entries:
+        for key in ('text', 'title', 'section'):
+            if isinstance(e.get(key), str): e[key] = plain_maths(e[key])
+    index.write_text(json.dumps(entries))
+    return f'search index without TeX ({len(entries)} entries)'
+
+
 def copy_notebooks(site_dir: Path) -> str:
     "Put each page's notebook in the site, for its download link."
     dest = site_dir/'notebooks'
@@ -178,7 +235,7 @@ def render(proc: Path) -> str:
         smalldocs_names(proc)
         subprocess.run([sys.executable, '-m', 'smalldocs.cli', 'render', str(proc)], check=True)
         renderer = 'smalldocs'
-    renderer += f' ({vendor_katex(out)}; {local_links(out)}; {drop_widget_loaders(out)}; {copy_notebooks(out)})'
+    renderer += f' ({vendor_katex(out)}; {local_links(out)}; {drop_widget_loaders(out)}; {copy_notebooks(out)}; {clean_search_index(out)})'
     shutil.rmtree(cfg.doc_path, ignore_errors=True)
     shutil.move(str(out), str(cfg.doc_path))
     return renderer

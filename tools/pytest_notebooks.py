@@ -99,6 +99,35 @@ class Notebook(pytest.Item):
     def reportinfo(self): return self.path, None, self.path.name
 
 
+PHONE_COLUMN_PX, CSS_PX_PER_INCH, MIN_TEXT_PX = 339, 94.5, 8.0  # measured: Quarto's text column at 390 px
+
+
+def figure_text_px(fig) -> list[tuple[float, str]]:
+    """The height in CSS px of each text of `fig` on a 390 px phone, smallest first, with the text.
+
+    The site shows a figure at its natural size (`CSS_PX_PER_INCH` per inch of `figsize`) or, on a phone, scaled down
+    to the text column, so a font of s points ends up s / 72 * min(column / width, px per inch) CSS px tall."""
+    from matplotlib.text import Text
+    width = fig.get_figwidth()
+    scale = min(PHONE_COLUMN_PX / width, CSS_PX_PER_INCH) / 72
+    texts = [t for t in fig.findobj(Text) if t.get_visible() and t.get_text().strip()]
+    return sorted((t.get_fontsize() * scale, t.get_text()) for t in texts)
+
+
+def _guard_figure_text(shell, problems: list) -> None:
+    "Note in `problems` every figure the notebook displays with text under 8 px on a phone (IPython would swallow a raise)."
+    from matplotlib.backend_bases import FigureCanvasBase
+    print_figure = FigureCanvasBase.print_figure
+    def checked(self, *args, **kwargs):
+        small = [(px, text) for px, text in figure_text_px(self.figure) if px < MIN_TEXT_PX]
+        if small:
+            problems.append(f'cell #{shell._cell_idx}: figure text must be at least {MIN_TEXT_PX:g} CSS px tall on a 390 px '
+                            f'phone; got {small[0][0]:.1f} px for {small[0][1][:40]!r} ({len(small)} text(s) too small) '
+                            f'in a {self.figure.get_figwidth():g} in wide figure: use a larger font or a narrower figure')
+        return print_figure(self, *args, **kwargs)
+    FigureCanvasBase.print_figure = checked
+
+
 def _run_in_child(path: Path, nb, todo: set) -> tuple[list, str | None]:
     """Execute the cells of `nb` whose id is in `todo`, in a forked copy of this process; return their outputs, or
     the failure. A notebook sets things for its whole process (matplotlib's rc and font state, torch's print options,
@@ -109,7 +138,8 @@ def _run_in_child(path: Path, nb, todo: set) -> tuple[list, str | None]:
     def child():
         # GNU OpenMP hangs in a fork whose parent has run torch on several threads: keep the child on one
         if 'torch' in sys.modules: sys.modules['torch'].set_num_threads(1)
-        shell, error = CaptureShell(path), None
+        shell, error, small_text = CaptureShell(path), None, []
+        _guard_figure_text(shell, small_text)
         os.environ['IN_TEST'] = '1'
         os.chdir(path.parent)
         try: shell.run_all(nb, exc_stop=True, preproc=lambda c: id(c) not in todo)
@@ -117,6 +147,7 @@ def _run_in_child(path: Path, nb, todo: set) -> tuple[list, str | None]:
             cell = nb.cells[shell._cell_idx - 1]
             error = (f'{path.name}, cell #{shell._cell_idx} ({_head(cell)}) raised:\n'
                      + _cell_traceback(shell.exc))
+        if small_text and not error: error = f'{path.name}: ' + '\n'.join(small_text)
         writer.send(([c.get('outputs', []) for c in nb.cells if id(c) in todo], error))
         os._exit(0)
     proc = multiprocessing.get_context('fork').Process(target=child)

@@ -173,7 +173,7 @@ def check_tensor_parallel(
 def sequence_chunks(
     rank:int, # which rank
     world_size:int, # how many ranks share the sequence
-    order:str='zigzag', # 'contiguous': chunk r of R; 'zigzag': chunks r and 2R-1-r of 2R
+    order:str='zigzag', # 'contiguous': chunk r of R; 'zigzag': r and 2R-1-r of 2R
 ) -> list: # the indices of the chunks this rank holds, in order
     "Which equal chunks of the sequence a rank holds, in contiguous or zig-zag order."
     if order not in ('contiguous', 'zigzag'):
@@ -203,7 +203,7 @@ def unshard_sequence(
     shards:list, # every rank's share, rank 0 first, each (..., num_tokens // R, dim)
     order:str='zigzag', # as in sequence_chunks
 ) -> Tensor: # the whole sequence, (..., num_tokens, dim)
-    "Put the ranks' shares of a sequence back in order: the inverse of `shard_sequence`."
+    "Put the ranks' shares of a sequence back in order: undo `shard_sequence`."
     world_size = len(shards)
     pieces = {}
     for rank, shard in enumerate(shards):
@@ -229,7 +229,7 @@ def _pass_on(
     group=None, # the ranks of the ring (None: all)
     tag:int=0, # tells apart two messages in flight at once (blocks, their gradients)
 ) -> tuple: # the pending requests and the buffer that receives the previous rank's t
-    "Start sending `t` to the next rank of the ring and receiving from the previous one."
+    "Start sending `t` to the next rank of the ring, receiving from the previous one."
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     received = torch.empty_like(t)
     ops = [dist.P2POp(dist.isend, t.contiguous(), group=group,
@@ -282,7 +282,8 @@ def _ring_backward(
     scale = 1 / math.sqrt(queries.shape[-1])
     split = lambda t: list(t.split(chunk, dim=-2))  # views; += writes through
     D = (grad_context * context_vecs).sum(-1, keepdim=True)          # (..., T_local, 1)
-    q_chunks, dO, L, D = split(queries * scale), split(grad_context), split(lse), split(D)
+    q_chunks, dO = split(queries * scale), split(grad_context)
+    L, D = split(lse), split(D)
     grad_queries = torch.zeros_like(queries)
     dq = split(grad_queries)                     # views: += writes into grad_queries
     block = torch.stack([keys, values])          # (2, ..., T_local, hd)

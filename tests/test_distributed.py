@@ -12,7 +12,7 @@ from selfattn_nbdev.distributed import (_rank_main, check_fsdp, check_ring_atten
 from selfattn_nbdev.multihead import MultiHeadAttention
 
 SMALL = dict(d_in=16, d_out=32, context_length=8, num_heads=4)
-CASES = [(T, dtype, causal, order) for T in (8, 24) for dtype in (torch.float32, torch.float64)
+CASES = [(T, dtype, causal, order) for T in (8, 16) for dtype in (torch.float32, torch.float64)
          for causal in (False, True) for order in ('contiguous', 'zigzag')]
 TOL = {torch.float32: 1e-6, torch.float64: 1e-12}
 
@@ -34,7 +34,7 @@ def test_tensor_parallel_four_ranks():
 
 def test_run_ranks_errors_and_timeout():
     "A rank's error comes back with its traceback; a run past its timeout is stopped."
-    with pytest.raises(RuntimeError, match="KeyError: 'context_length'"):
+    with pytest.raises(RuntimeError, match='missing 1 required positional argument'):
         run_ranks(check_fsdp, 2, dict(d_in=4, d_out=4))
     with pytest.raises(TimeoutError, match='timeout=0.1'):
         run_ranks(check_ring_attention, 2, CASES, timeout=0.1)
@@ -72,4 +72,4 @@ def test_rank_main_saves_result_and_error():
         assert torch.load(os.path.join(folder, 'rank0.pt'), weights_only=False)['result'][0]['grad'] == 0.0
         with pytest.raises(SystemExit):
             _rank_main(0, 1, free_port(), check_fsdp, ({},), folder, 30)
-        assert 'KeyError' in torch.load(os.path.join(folder, 'rank0.pt'), weights_only=False)['error']
+        assert 'TypeError' in torch.load(os.path.join(folder, 'rank0.pt'), weights_only=False)['error']

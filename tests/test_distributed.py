@@ -1,0 +1,75 @@
+"""The splits of nbs/12_distributed.ipynb on spawned gloo CPU ranks: ring attention against SDPA on 2 ranks for every
+order, mask and dtype, tensor parallelism on 4 ranks, run_ranks's errors and timeout; and every check on one rank
+in this process, so that coverage sees the code the spawned ranks run."""
+import os, tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from selfattn_nbdev.distributed import (_rank_main, check_fsdp, check_ring_attention, check_tensor_parallel,
+                                        free_port, run_ranks, tensor_parallel)
+from selfattn_nbdev.multihead import MultiHeadAttention
+
+SMALL = dict(d_in=16, d_out=32, context_length=8, num_heads=4)
+CASES = [(T, dtype, causal, order) for T in (8, 16) for dtype in (torch.float32, torch.float64)
+         for causal in (False, True) for order in ('contiguous', 'zigzag')]
+TOL = {torch.float32: 1e-6, torch.float64: 1e-12}
+
+
+def test_ring_attention_two_ranks():
+    "Forward and backward equal SDPA on the whole sequence: 16 cases, one spawn."
+    diffs = torch.tensor(run_ranks(check_ring_attention, 2, CASES)).amax(0)
+    for (_, dtype, *_), d in zip(CASES, diffs): assert d < TOL[dtype]
+
+
+@pytest.mark.slow
+def test_tensor_parallel_four_ranks():
+    "8 heads and 4 key/value heads on 4 ranks: 2 and 1 each; with a window and RoPE."
+    config = dict(d_in=16, d_out=32, context_length=8, num_heads=8, num_kv_heads=4, window=3, rope=True)
+    for r in run_ranks(check_tensor_parallel, 4, [config]):
+        assert max(r[0][k] for k in ('output', 'explicit', 'cache', 'grad')) < 1e-6
+        assert r[0]['local_heads'] == (2, 1)
+
+
+def test_run_ranks_errors_and_timeout():
+    "A rank's error comes back with its traceback; a run past its timeout is stopped."
+    with pytest.raises(RuntimeError, match='missing 1 required positional argument'):
+        run_ranks(check_fsdp, 2, dict(d_in=4, d_out=4))
+    with pytest.raises(TimeoutError, match='timeout=0.1'):
+        run_ranks(check_ring_attention, 2, CASES, timeout=0.1)
+
+
+@pytest.fixture
+def one_rank():
+    "A gloo group of one rank in this process."
+    dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{free_port()}', rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_checks_on_one_rank(one_rank):
+    "Every check in this process on one rank (the code the spawned ranks run, under coverage)."
+    for d, (_, dtype, *_) in zip(check_ring_attention(0, 1, CASES[:4] + CASES[12:]), CASES[:4] + CASES[12:]):
+        assert d < TOL[dtype]
+    r = check_tensor_parallel(0, 1, [dict(SMALL, num_kv_heads=2, rope=True)])[0]
+    assert r['output'] == r['grad'] == 0.0 and r['local_heads'] == (4, 2)
+    r = check_fsdp(0, 1, SMALL, steps=2)
+    assert r['loaded'] == r['params'] == r['loss'] == 0.0 and r['shard_rows'] == 32
+
+
+def test_tensor_parallel_refuses_split_groups(one_rank):
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh('cpu', (1,))
+    m = tensor_parallel(MultiHeadAttention(**SMALL, num_kv_heads=2), mesh)
+    assert (m.num_heads, m.num_kv_heads) == (4, 2)
+
+
+def test_rank_main_saves_result_and_error():
+    "A rank's main saves what fn returned, or the traceback of what it raised."
+    with tempfile.TemporaryDirectory() as folder:
+        _rank_main(0, 1, free_port(), check_tensor_parallel, ([dict(SMALL)],), folder, 30)
+        assert torch.load(os.path.join(folder, 'rank0.pt'), weights_only=False)['result'][0]['grad'] == 0.0
+        with pytest.raises(SystemExit):
+            _rank_main(0, 1, free_port(), check_fsdp, ({},), folder, 30)
+        assert 'TypeError' in torch.load(os.path.join(folder, 'rank0.pt'), weights_only=False)['error']

@@ -39,7 +39,10 @@ SOLUTION = re.compile(r'^#\|\s*code-summary:\s*"?Solution', re.M)
 FOLD = re.compile(r'^#\|\s*code-(fold|summary):.*\n?', re.M)
 
 
-def _md_cell(text: str) -> dict: return {'cell_type': 'markdown', 'metadata': {}, 'source': text}
+def _lines(text: str) -> list[str]: return text.splitlines(keepends=True)  # Quarto reads a source as its lines
+
+
+def _md_cell(text: str) -> dict: return {'cell_type': 'markdown', 'metadata': {}, 'source': _lines(text)}
 
 
 def reader_additions(nb: Path) -> None:
@@ -54,7 +57,7 @@ def reader_additions(nb: Path) -> None:
     for cell in cells:
         src = _text(cell.get('source', ''))
         if cell['cell_type'] == 'code' and SOLUTION.search(src):
-            cell['source'] = FOLD.sub('', src)
+            cell['source'] = _lines(FOLD.sub('', src))
             out += [_md_cell('<details class="solution">\n<summary>Solution</summary>'), cell, _md_cell('</details>')]
         else: out.append(cell)
     cfg, name = get_config(), nb.name

@@ -141,6 +141,7 @@ PAGE_FACTS = """(VIEWPORT) => {
   const images = [...document.querySelectorAll('img')].map(i => ({src: i.currentSrc || i.src, w: i.naturalWidth, ok: i.complete}));
   const ids = [...document.querySelectorAll('[id]')].map(e => e.id);
   const math = document.querySelectorAll('.katex, mjx-container, .MathJax').length;
+  const mathSource = document.querySelectorAll('span.math, .math.inline, .math.display').length;  // maths the page has
   const text = document.querySelector('main, #quarto-document-content, body').innerText;
   const rawMath = (text.match(/\\\\\\(|\\\\\\[|\\$\\$/g) || []).length;
   const sidebar = [...document.querySelectorAll('#quarto-sidebar a.sidebar-link, #quarto-sidebar a[href], nav.sidebar a[href]')].map(a => a.href);
@@ -165,10 +166,10 @@ PAGE_FACTS = """(VIEWPORT) => {
   // Top-level definitions in the shown code: each name once per page (an exported one is not repeated by show_doc).
   const defs = [];
   for (const c of document.querySelectorAll('main pre code, #quarto-document-content pre code'))
-    for (const l of c.textContent.split('\n')) { const m = l.match(/^(?:class|def)\s+(\w+)/); if (m) defs.push(m[1]); }
+    for (const l of c.textContent.split('\\n')) { const m = l.match(/^(?:class|def)\\s+(\\w+)/); if (m) defs.push(m[1]); }
   const twice = [...new Set(defs.filter((d, i) => defs.indexOf(d) !== i))];
   return {links, images, ids, math, rawMath, sidebar, scrollWidth: document.documentElement.scrollWidth,
-          innerWidth: window.innerWidth, title: document.title, cutOff, clipped, widest, pageNav, wideMath, twice};
+          innerWidth: window.innerWidth, title: document.title, cutOff, clipped, widest, pageNav, wideMath, twice, mathSource};
 }"""
 
 
@@ -214,7 +215,7 @@ def walk(site: Path, chromium: str) -> int:
                         if target:
                             pname = urldefrag(target)[0][len(base):] or 'index.html'
                             if pname.endswith('.html') and pname not in pages: pages.append(pname)
-                    rep.check(f['math'] > 0, f'{name}: maths is typeset ({f["math"]} typeset elements)')
+                    rep.check(f['math'] > 0 or f['mathSource'] == 0, f'{name}: maths is typeset ({f["math"]} typeset elements)')
                     rep.check(not f['clipped'], f'{name}: no code block or output wider than its box at {width} px '
                                                 f'(found {len(f["clipped"])}: {f["clipped"][:2]})')
                     rep.check(f['pageNav'] >= 1, f'{name}: has previous/next links at the bottom')

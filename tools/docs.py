@@ -35,6 +35,7 @@ def preprocess(force: bool = True) -> Path:
     return proc
 
 
+PRIVATE_DEF = re.compile(r'^(?:class|def)\s+(_[A-Za-z]\w*)', re.M)
 SOLUTION = re.compile(r'^#\|\s*code-summary:\s*"?Solution', re.M)
 FOLD = re.compile(r'^#\|\s*code-(fold|summary):.*\n?', re.M)
 
@@ -51,11 +52,15 @@ def reader_additions(nb: Path) -> None:
     - An exercise's solution is folded *with its output*: Quarto's `code-fold` folds only the source, so the
       printed answer showed below the fold. The cell goes inside a `<details>` instead, under both renderers.
     - Under the title: a link to download the page's notebook (copied into the site by `copy_notebooks`) and one
-      to open it in Colab, from the published repository."""
+      to open it in Colab, from the published repository.
+    - An anchor before each private definition shown on the page (`def _tile_scores`): nbdev links a backticked
+      `_tile_scores` to it, as it links a public name to its parameter table."""
     data = json.loads(nb.read_text())
     cells, out = data['cells'], []
     for cell in cells:
         src = _text(cell.get('source', ''))
+        private = PRIVATE_DEF.findall(src) if cell['cell_type'] == 'code' else []
+        if private: out.append(_md_cell(''.join(f'<span id="{n.lower()}" class="api-anchor"></span>' for n in private)))
         if cell['cell_type'] == 'code' and SOLUTION.search(src):
             cell['source'] = _lines(FOLD.sub('', src))
             out += [_md_cell('<details class="solution">\n<summary>Solution</summary>'), cell, _md_cell('</details>')]

@@ -11,7 +11,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from .core import check_flag, check_size, check_tokens
+from .core import check_count, check_flag, check_size, check_tokens
 
 # %% ../nbs/03_causal.ipynb #abca7e3a
 def check_dropout(p) -> None:
@@ -37,7 +37,12 @@ def causal_mask(
     num_keys:int|None=None,  # keys, when earlier ones are cached (default: num_tokens)
 ) -> Tensor:  # bool (num_tokens, num_keys): True where the key is in the query's future
     "The causal mask: `True` where key j lies in the future of query i."
+    check_count(num_tokens, 'num_tokens')
     num_keys = num_tokens if num_keys is None else num_keys
+    check_count(num_keys, 'num_keys')
+    if num_keys < num_tokens:  # the queries are the last num_tokens of the keys
+        raise ValueError(f"num_keys must be >= num_tokens, the queries being the last "
+                         f"keys; got num_keys={num_keys}, num_tokens={num_tokens}")
     ones = torch.ones(num_tokens, num_keys, dtype=torch.bool, device=device)
     return ones.triu(diagonal=num_keys - num_tokens + 1)  # (num_tokens, num_keys)
 
@@ -82,6 +87,7 @@ class CausalAttention(nn.Module):
         "Context vectors of `x` in which token i mixes the values of tokens 1..i only."
         weight = self.W_query.weight
         check_tokens(x, self.d_in, weight.dtype, weight.device)
+        check_flag(return_attn_weights, 'return_attn_weights')
         num_tokens = x.shape[-2]
         check_context(num_tokens, self.context_length)
         queries = self.W_query(x)                       # (..., num_tokens, d_out)
@@ -117,6 +123,15 @@ def leaks_future(
     def past(inputs):  # a module may return (outputs, weights): keep the outputs
         out = module(inputs)
         return (out[0] if isinstance(out, tuple) else out)[..., :t + 1, :]
+    if not isinstance(module, nn.Module): return _leaks(past, x, t, atol)  # a function
+    was_training = module.training
+    module.eval()  # dropout would change the outputs by itself, future or not
+    try: return _leaks(past, x, t, atol)
+    finally: module.train(was_training)
+
+
+def _leaks(past, x, t, atol):
+    "`leaks_future`'s comparison, with the module in evaluation mode."
     x = x.detach().clone().requires_grad_(True)
     x_changed = x.detach().clone()
     x_changed[..., t + 1:, :] += torch.randn_like(x_changed[..., t + 1:, :])

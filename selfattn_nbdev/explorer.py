@@ -384,6 +384,7 @@ def reference_module(
     causal:bool|None=None, # mask the future (None: as the explorer starts)
 ) -> nn.Module:
     "The package's module for an explorer's matrices, in float64, scaled by 1/√d_k."
+    if causal is not None: check_flag(causal, 'causal')
     ex = inputs
     if not isinstance(ex, AttentionExplorer): ex = AttentionExplorer.from_inputs(inputs)
     causal = ex.causal if causal is None else causal
@@ -422,7 +423,7 @@ def package_attention(
     causal:bool|None=None, # mask the future (None: as the explorer starts)
 ) -> tuple: # weights (num_heads, T, T) and context vectors (num_heads, T, d_v)
     "What the package computes for an explorer's sentence: weights, context vectors."
-    ex = AttentionExplorer.from_inputs(inputs)
+    ex = AttentionExplorer.from_inputs(inputs)  # reference_module checks causal
     heads, T, d_v = ex.num_heads, len(ex.tokens), ex.W_value.shape[2]
     with torch.no_grad():
         out, attn_weights = reference_module(ex, causal)(ex.embeddings,

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .core import (check_count, check_flag, check_range, check_size,
+                                 check_token_ids, check_tokens)
 from .multihead import KVCache, MultiHeadAttention
 
 # %% ../nbs/06_generation.ipynb #e753034a
@@ -30,6 +32,8 @@ class CharTokenizer:
     def __init__(self,
                  text:str, # the training text: its characters are the vocabulary
                 ):
+        if not isinstance(text, str) or not text:
+            raise ValueError(f"text must be a non-empty str; got {text!r:.40}")
         self.chars = sorted(set(text))
         self.ids = {char: i for i, char in enumerate(self.chars)}
 
@@ -39,6 +43,8 @@ class CharTokenizer:
 
     def encode(self, text:str) -> Tensor: # token ids, (len(text),)
         "The token id of every character of `text`."
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str; got {type(text).__name__}")
         unknown = sorted(set(text) - set(self.ids))
         if unknown:
             raise ValueError(f"characters not in the vocabulary: {unknown}; "
@@ -47,6 +53,8 @@ class CharTokenizer:
 
     def decode(self, token_ids:Tensor) -> str:
         "The characters of a sequence of token ids, (num_tokens,)."
+        if isinstance(token_ids, list): token_ids = torch.tensor(token_ids, dtype=int)
+        check_token_ids(token_ids, len(self), dims=(1,))  # -1 would wrap to the last
         return "".join(self.chars[i] for i in token_ids.tolist())
 
 # %% ../nbs/06_generation.ipynb #e2d819e1
@@ -72,6 +80,7 @@ class TransformerBlock(nn.Module):
                 cache=None, # this block's KVCache, when generating
                ) -> Tensor: # (b, num_tokens, d_model)
         "Attend to the earlier tokens, then transform each token; add both to `x`."
+        check_tokens(x, self.attn.d_in, self.attn.W_query.weight.dtype)
         x = x + self.attn(self.norm1(x), cache=cache)  # (b, num_tokens, d_model)
         return x + self.mlp(self.norm2(x))             # (b, num_tokens, d_model)
 
@@ -89,6 +98,7 @@ class TinyGPT(nn.Module):
                  rope:bool=False, # rotary positions in attention, no pos_emb
                 ):
         super().__init__()
+        check_size(vocab_size, 'vocab_size'); check_size(num_layers, 'num_layers')
         self.context_length = context_length
         self.token_emb = nn.Embedding(vocab_size, d_model)
         # RoPE puts the positions into every attention score: no table to learn
@@ -109,6 +119,10 @@ class TinyGPT(nn.Module):
                 caches:list|None=None, # from `new_caches`: token_ids are the new tokens
                ) -> Tensor: # next-token logits, (b, num_tokens, vocab_size)
         "Scores for the token that follows each position."
+        check_token_ids(token_ids, self.token_emb.num_embeddings, dims=(2,))
+        if caches is not None and len(caches) != len(self.blocks):
+            raise ValueError(f"caches must be a list of {len(self.blocks)} KVCaches, "
+                             f"one per block (model.new_caches()); got {caches!r:.60}")
         seen = 0 if caches is None else caches[0].num_seen  # tokens before these
         total = seen + token_ids.shape[-1]
         if total > self.context_length:
@@ -132,6 +146,9 @@ def train_tiny_gpt(
     seed:int=0,          # where the windows start
 ) -> list: # the loss at every step
     "Train `model` to predict each next token of `data`; return the losses."
+    check_count(steps, 'steps'); check_size(block_size, 'block_size')
+    check_size(batch_size, 'batch_size'); check_range(lr, 'lr', low=0, low_open=True)
+    check_token_ids(data, model.token_emb.num_embeddings, 'data', dims=(1,))
     if len(data) <= block_size:
         raise ValueError(f"data has {len(data)} tokens; it needs more than "
                          f"block_size={block_size}")
@@ -162,6 +179,9 @@ def generate(
     step_times:list|None=None, # if a list, the seconds of every step are appended
 ) -> Tensor: # the prompt and the new tokens, (b, num_tokens + max_new_tokens)
     "Continue `prompt_ids` one token at a time."
+    check_token_ids(prompt_ids, model.token_emb.num_embeddings, 'prompt_ids', dims=(2,))
+    check_count(max_new_tokens, 'max_new_tokens'); check_flag(use_cache, 'use_cache')
+    check_range(temperature, 'temperature', low=0)  # < 0 would pick the least likely
     total = prompt_ids.shape[-1] + max_new_tokens
     if total > model.context_length:
         raise ValueError(f"prompt and new tokens make {total}, more than the model's "

@@ -11,7 +11,7 @@ import numbers
 import torch
 from torch import Tensor
 
-from .core import check_flag, check_size
+from .core import check_flag, check_range, check_size
 from .causal import causal_mask
 
 # %% ../nbs/09_modern.ipynb #bad67fae
@@ -20,6 +20,11 @@ def repeat_kv(
     group_size:int, # query heads per key/value head: num_heads // num_kv_heads
 ) -> Tensor: # (b, num_kv_heads * group_size, T, head_dim)
     "Give every query head its group's keys (or values): kv head g serves heads g*k..."
+    check_size(group_size, 'group_size')
+    if not isinstance(t, Tensor) or t.dim() != 4:
+        raise ValueError("t must be a tensor of shape (batch, num_kv_heads, "
+                         "num_tokens, head_dim); got "
+                         f"{getattr(t, 'shape', type(t).__name__)}")
     return t if group_size == 1 else t.repeat_interleave(group_size, dim=1)
 
 # %% ../nbs/09_modern.ipynb #ddae84bd
@@ -69,9 +74,13 @@ def rope_angles(
     dtype=torch.float32, # float64 for float64 vectors
 ) -> tuple: # cos and sin of every angle, each (num_tokens, head_dim)
     "The rotation angles of RoPE: position m turns pair p by m * base^(-2p/d)."
+    check_size(head_dim, 'head_dim'); check_range(base, 'base', low=1, low_open=True)
     if head_dim % 2:
         raise ValueError(f"RoPE rotates pairs of numbers: head_dim must be even; "
                          f"got {head_dim}")
+    if not isinstance(positions, Tensor) or positions.dim() != 1:
+        raise ValueError("positions must be a tensor of shape (num_tokens,); got "
+                         f"{getattr(positions, 'shape', type(positions).__name__)}")
     pair = torch.arange(0, head_dim, 2, device=positions.device, dtype=dtype)
     frequencies = base ** (-pair / head_dim)                    # (head_dim / 2,)
     angles = positions.to(dtype)[:, None] * frequencies[None]   # (T, head_dim / 2)
@@ -96,6 +105,15 @@ def apply_rope(
     base:float=10000.0, # as in rope_angles
 ) -> Tensor: # x with each pair (x_p, x_{p + d/2}) rotated by its position's angle
     "Rotate every pair of `x` by its position's angle (the half-split layout of Llama)."
+    if not isinstance(x, Tensor) or not x.is_floating_point() or x.dim() < 2:
+        raise TypeError("x must be a float tensor of shape (..., num_tokens, "
+                        "head_dim); "
+                        f"got {getattr(x, 'dtype', type(x).__name__)} "
+                        f"{tuple(getattr(x, 'shape', ()))}")
+    if getattr(positions, 'shape', None) != (x.shape[-2],):
+        given = getattr(positions, 'shape', positions)
+        raise ValueError(f"positions must have shape (num_tokens,) = ({x.shape[-2]},), "
+                         f"one per token of x; got {given}")
     dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     return rope_rotate(x, *rope_angles(positions, x.shape[-1], base, dtype))
 

@@ -9,7 +9,7 @@ __all__ = ['softmax_stable', 'simple_attention']
 import torch
 from torch import Tensor
 
-from .core import check_tokens
+from .core import check_flag, check_tokens
 
 # %% ../nbs/01_simple.ipynb #da8a324e
 def softmax_stable(
@@ -17,6 +17,10 @@ def softmax_stable(
     dim:int=-1, # the dimension along which the weights sum to 1
 ) -> Tensor: # same shape as `x`; sums to 1 along `dim`, or is all 0 where all `-inf`
     "`exp(x - max) / sum(exp(x - max))`: no overflow, no `nan`; all `-inf` gives 0s."
+    if torch.isposinf(x).any():  # inf - inf = nan: a hidden score is -inf, never +inf
+        where = torch.isposinf(x).nonzero()[0].tolist()
+        raise ValueError(f"x must not contain +inf (a hidden position is -inf); "
+                         f"got +inf at index {where}")
     x_max = x.amax(dim=dim, keepdim=True)  # the largest score; size 1 along dim
     x_max = x_max.masked_fill(torch.isneginf(x_max), 0)  # no -inf - (-inf) = nan
     exps = torch.exp(x - x_max)            # each in [0, 1]; the max gives e^0 = 1
@@ -30,6 +34,7 @@ def simple_attention(
 ) -> Tensor: # context vectors, shape of `inputs` (and the weights if asked)
     "Self-attention without trainable weights: each embedding is query, key and value."
     check_tokens(inputs, d_in=None, name='inputs')
+    check_flag(return_attn_weights, 'return_attn_weights')
     attn_scores = inputs @ inputs.transpose(-2, -1)    # (..., num_tokens, num_tokens)
     attn_weights = torch.softmax(attn_scores, dim=-1)  # (..., num_tokens, num_tokens)
     context_vecs = attn_weights @ inputs               # (..., num_tokens, d_in)

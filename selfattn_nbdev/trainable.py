@@ -34,6 +34,7 @@ class SelfAttentionV1(nn.Module):
                ) -> Tensor: # context vectors, (..., num_tokens, d_out) [and α]
         "One context vector per token: the values averaged with softmax(QKᵀ / √d_k)."
         check_tokens(x, self.d_in, self.W_query.dtype, self.W_query.device)
+        check_flag(return_attn_weights, 'return_attn_weights')
         queries = x @ self.W_query                      # (..., num_tokens, d_out)
         keys = x @ self.W_key                           # (..., num_tokens, d_out)
         values = x @ self.W_value                       # (..., num_tokens, d_out)
@@ -71,6 +72,7 @@ class SelfAttentionV2(nn.Module):
         "One context vector per token: the values averaged with softmax(QKᵀ / √d_k)."
         weight = self.W_query.weight
         check_tokens(x, self.d_in, weight.dtype, weight.device)
+        check_flag(return_attn_weights, 'return_attn_weights')
         queries = self.W_query(x)                       # (..., num_tokens, d_out)
         keys = self.W_key(x)                            # (..., num_tokens, d_out)
         values = self.W_value(x)                        # (..., num_tokens, d_out)

@@ -1,0 +1,306 @@
+"""Every public name, given what users get wrong: each case must raise, with the package's own message naming the
+argument and the value given (the rules are on the Core page, "The rules every check follows").
+
+A case is (callable, error type, the words its message must contain: the argument's name and the value given).
+The last tests check the answers that must be right rather than raise: empty inputs, counts of zero, eval mode."""
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from selfattn_nbdev import (CausalAttention, KVCache, MultiHeadAttention, MultiHeadAttentionWrapper, SelfAttention,
+                            SelfAttentionV1, SelfAttentionV2, apply_rope, causal_mask, check_context, check_count,
+                            check_dropout, check_flag, check_heads, check_range, check_size, check_token_ids,
+                            check_tokens, leaks_future, package_attention, repeat_kv, rope_angles, simple_attention,
+                            softmax_stable, to_torch_multihead, window_mask)
+from selfattn_nbdev.explorer import AttentionExplorer, reference_module
+from selfattn_nbdev.generation import CharTokenizer, TinyGPT, TransformerBlock, generate, train_tiny_gpt
+from selfattn_nbdev.modern import check_kv_heads, check_rope, check_window
+from selfattn_nbdev.tiled import tiled_attention
+from selfattn_nbdev.training import (VOCAB, BankSenseClassifier, accuracy, check_labels, check_sentences,
+                                     make_bank_sentences, train_classifier)
+
+torch.manual_seed(0)
+X = torch.randn(2, 5, 4)                      # (batch, num_tokens, d_in)
+TOK = CharTokenizer('abc de')
+GPT = TinyGPT(len(TOK), context_length=16, d_model=8, num_heads=2, num_layers=1)
+IDS, LABELS, POS = make_bank_sentences(6, seed=0)
+CLF = BankSenseClassifier()
+EXPLORER = AttentionExplorer(['a', 'b'], torch.eye(2), torch.eye(2), torch.eye(2), torch.eye(2))
+Q = torch.randn(1, 2, 6, 4)                   # (batch, heads, T, head_dim)
+
+CASES = {
+    # --- the shared checks
+    'check_size zero': (lambda: check_size(0, 'd_in'), ValueError, ['d_in', 'got 0']),
+    'check_size float': (lambda: check_size(2.5, 'd_out'), ValueError, ['d_out', '2.5']),
+    'check_size bool': (lambda: check_size(True, 'num_heads'), ValueError, ['num_heads', 'True']),
+    'check_size str': (lambda: check_size('4', 'd_in'), ValueError, ['d_in', "'4'"]),
+    'check_size None': (lambda: check_size(None, 'd_in'), ValueError, ['d_in', 'None']),
+    'check_count negative': (lambda: check_count(-1, 'steps'), ValueError, ['steps', '-1']),
+    'check_count float': (lambda: check_count(1.0, 'steps'), ValueError, ['steps', '1.0']),
+    'check_count bool': (lambda: check_count(False, 'steps'), ValueError, ['steps', 'False']),
+    'check_flag str': (lambda: check_flag('False', 'causal'), TypeError, ['causal', "'False'"]),
+    'check_flag int': (lambda: check_flag(1, 'qkv_bias'), TypeError, ['qkv_bias', 'got 1']),
+    'check_flag None': (lambda: check_flag(None, 'rope'), TypeError, ['rope', 'None']),
+    'check_range below': (lambda: check_range(-0.5, 'lr', 0), ValueError, ['lr', '-0.5']),
+    'check_range open low': (lambda: check_range(0, 'lr', 0, low_open=True), ValueError, ['lr', '(0', 'got 0']),
+    'check_range above': (lambda: check_range(2, 'p', 0, 1), ValueError, ['p', '[0, 1]', 'got 2']),
+    'check_range nan': (lambda: check_range(math.nan, 'temperature', 0), ValueError, ['temperature', 'nan']),
+    'check_range str': (lambda: check_range('1', 'lr', 0), ValueError, ['lr', "'1'"]),
+    'check_range bool': (lambda: check_range(True, 'lr', 0), ValueError, ['lr', 'True']),
+    'check_token_ids list': (lambda: check_token_ids([1, 2], 5), TypeError, ['token_ids', 'list']),
+    'check_token_ids float': (lambda: check_token_ids(torch.ones(3), 5), TypeError, ['token_ids', 'float32']),
+    'check_token_ids bool': (lambda: check_token_ids(torch.ones(3, dtype=torch.bool), 5), TypeError,
+                             ['token_ids', 'torch.bool']),
+    'check_token_ids 3-D': (lambda: check_token_ids(torch.zeros(1, 1, 1, dtype=torch.long), 5), ValueError,
+                            ['token_ids', '(1, 1, 1)']),
+    'check_token_ids too big': (lambda: check_token_ids(torch.tensor([5]), 5), ValueError, ['token_ids', '[0, 5)', '5']),
+    'check_token_ids negative': (lambda: check_token_ids(torch.tensor([-1, 0]), 5), ValueError,
+                                 ['token_ids', 'from -1']),
+    'check_tokens list': (lambda: check_tokens([[1.0]], 1), TypeError, ['x', 'list']),
+    'check_tokens 1-D': (lambda: check_tokens(torch.ones(3), 3), ValueError, ['x', '1 dims']),
+    'check_tokens 4-D': (lambda: check_tokens(torch.ones(1, 1, 1, 3), 3), ValueError, ['x', '4 dims']),
+    'check_tokens d_in': (lambda: check_tokens(torch.ones(2, 3), 4), ValueError, ['d_in=4', '(2, 3)']),
+    'check_tokens int': (lambda: check_tokens(torch.ones(2, 3, dtype=torch.long), 3), TypeError, ['x', 'int64']),
+    'check_tokens dtype': (lambda: check_tokens(torch.ones(2, 3), 3, dtype=torch.float64), TypeError,
+                           ['float32', 'float64']),
+    'check_dropout negative': (lambda: check_dropout(-0.1), ValueError, ['dropout', '-0.1']),
+    'check_dropout one': (lambda: check_dropout(1.0), ValueError, ['dropout', '1.0']),
+    'check_dropout str': (lambda: check_dropout('0.1'), (TypeError, ValueError), ['dropout', "'0.1'"]),
+    'check_context too long': (lambda: check_context(9, 8), ValueError, ['context_length=8', '9']),
+    'check_heads no divisor': (lambda: check_heads(6, 4), ValueError, ['num_heads', 'num_heads=4']),
+    'check_heads zero': (lambda: check_heads(6, 0), ValueError, ['num_heads', 'got 0']),
+    'check_kv_heads no divisor': (lambda: check_kv_heads(4, 3), ValueError, ['num_kv_heads', '3']),
+    'check_kv_heads zero': (lambda: check_kv_heads(4, 0), ValueError, ['num_kv_heads', '0']),
+    'check_window zero': (lambda: check_window(0, True), ValueError, ['window', '0']),
+    'check_window not causal': (lambda: check_window(4, False), ValueError, ['window=4', 'causal']),
+    'check_rope base one': (lambda: check_rope(True, 1.0, 4), ValueError, ['rope_base', '1.0']),
+    'check_rope flag': (lambda: check_rope('yes', 10000.0, 4), TypeError, ['rope', "'yes'"]),
+    'check_rope odd': (lambda: check_rope(True, 10000.0, 3), ValueError, ['head_dim', '3']),
+    # --- the story's functions and modules
+    'softmax_stable +inf': (lambda: softmax_stable(torch.tensor([1.0, math.inf, 2.0])), ValueError, ['x', '+inf', '[1]']),
+    'simple_attention list': (lambda: simple_attention([[1.0, 2.0]]), TypeError, ['inputs', 'list']),
+    'simple_attention 1-D': (lambda: simple_attention(torch.ones(3)), ValueError, ['inputs', '1 dims']),
+    'simple_attention int': (lambda: simple_attention(torch.ones(2, 3, dtype=torch.long)), TypeError,
+                             ['inputs', 'int64']),
+    'simple_attention flag': (lambda: simple_attention(X[0], return_attn_weights='False'), TypeError,
+                              ['return_attn_weights', "'False'"]),
+    'SelfAttention d_in': (lambda: SelfAttention(0, 3), ValueError, ['d_in', '0']),
+    'SelfAttention d_out': (lambda: SelfAttention(4, -1), ValueError, ['d_out', '-1']),
+    'SelfAttention x': (lambda: SelfAttention(4, 3)(torch.ones(5, 3)), ValueError, ['d_in=4', '(5, 3)']),
+    'SelfAttention flag': (lambda: SelfAttention(4, 3)(X, return_attn_weights='False'), TypeError,
+                           ['return_attn_weights', "'False'"]),
+    'SelfAttention float64 x': (lambda: SelfAttention(4, 3)(X.double()), TypeError, ['float64', 'float32']),
+    'SelfAttentionV1 d_in': (lambda: SelfAttentionV1(2.0, 3), ValueError, ['d_in', '2.0']),
+    'SelfAttentionV1 flag': (lambda: SelfAttentionV1(4, 3)(X, return_attn_weights=1), TypeError,
+                             ['return_attn_weights', 'got 1']),
+    'SelfAttentionV1 x': (lambda: SelfAttentionV1(4, 3)(torch.ones(5)), ValueError, ['x', '1 dims']),
+    'SelfAttentionV2 qkv_bias': (lambda: SelfAttentionV2(4, 3, qkv_bias='no'), TypeError, ['qkv_bias', "'no'"]),
+    'SelfAttentionV2 flag': (lambda: SelfAttentionV2(4, 3)(X, return_attn_weights='False'), TypeError,
+                             ['return_attn_weights', "'False'"]),
+    'SelfAttentionV2 x': (lambda: SelfAttentionV2(4, 3)(torch.ones(2, 5, 3)), ValueError, ['d_in=4', '(2, 5, 3)']),
+    'CausalAttention context': (lambda: CausalAttention(4, 3, 0), ValueError, ['context_length', '0']),
+    'CausalAttention dropout': (lambda: CausalAttention(4, 3, 8, dropout=1.5), ValueError, ['dropout', '1.5']),
+    'CausalAttention too long': (lambda: CausalAttention(4, 3, 4)(X), ValueError, ['context_length=4', '5']),
+    'CausalAttention flag': (lambda: CausalAttention(4, 3, 8)(X, return_attn_weights='False'), TypeError,
+                             ['return_attn_weights', "'False'"]),
+    'CausalAttention qkv_bias': (lambda: CausalAttention(4, 3, 8, qkv_bias=0), TypeError, ['qkv_bias', 'got 0']),
+    'causal_mask negative': (lambda: causal_mask(-1), ValueError, ['num_tokens', '-1']),
+    'causal_mask float': (lambda: causal_mask(2.5), ValueError, ['num_tokens', '2.5']),
+    'causal_mask str': (lambda: causal_mask('3'), ValueError, ['num_tokens', "'3'"]),
+    'causal_mask few keys': (lambda: causal_mask(3, num_keys=2), ValueError, ['num_keys=2', 'num_tokens=3']),
+    'leaks_future t': (lambda: leaks_future(CausalAttention(4, 3, 8), X, 4), ValueError, ['t', 'got t=4']),
+    'leaks_future negative t': (lambda: leaks_future(CausalAttention(4, 3, 8), X, -1), ValueError, ['t', '-1']),
+    'Wrapper heads': (lambda: MultiHeadAttentionWrapper(4, 6, 8, num_heads=4), ValueError, ['num_heads', '4']),
+    'Wrapper d_out': (lambda: MultiHeadAttentionWrapper(4, 0, 8), ValueError, ['d_out', '0']),
+    'MHA d_in': (lambda: MultiHeadAttention(0, 4, 8), ValueError, ['d_in', '0']),
+    'MHA context_length': (lambda: MultiHeadAttention(4, 4, -2), ValueError, ['context_length', '-2']),
+    'MHA heads': (lambda: MultiHeadAttention(4, 6, 8, num_heads=4), ValueError, ['num_heads', '4']),
+    'MHA kv heads': (lambda: MultiHeadAttention(4, 8, 8, num_heads=4, num_kv_heads=3), ValueError,
+                     ['num_kv_heads', '3']),
+    'MHA window': (lambda: MultiHeadAttention(4, 8, 8, window=0), ValueError, ['window', '0']),
+    'MHA window causal': (lambda: MultiHeadAttention(4, 8, 8, causal=False, window=2), ValueError, ['window=2']),
+    'MHA rope flag': (lambda: MultiHeadAttention(4, 8, 8, rope='True'), TypeError, ['rope', "'True'"]),
+    'MHA rope base': (lambda: MultiHeadAttention(4, 8, 8, rope=True, rope_base=0.5), ValueError,
+                      ['rope_base', '0.5']),
+    'MHA causal flag': (lambda: MultiHeadAttention(4, 8, 8, causal='False'), TypeError, ['causal', "'False'"]),
+    'MHA qkv_bias flag': (lambda: MultiHeadAttention(4, 8, 8, qkv_bias='no'), TypeError, ['qkv_bias', "'no'"]),
+    'MHA out_bias flag': (lambda: MultiHeadAttention(4, 8, 8, out_bias=None), TypeError, ['out_bias', 'None']),
+    'MHA dropout': (lambda: MultiHeadAttention(4, 8, 8, dropout=-0.2), ValueError, ['dropout', '-0.2']),
+    'MHA x d_in': (lambda: MultiHeadAttention(4, 8, 8)(torch.ones(2, 5, 3)), ValueError, ['d_in=4', '(2, 5, 3)']),
+    'MHA x too long': (lambda: MultiHeadAttention(4, 8, 4)(X), ValueError, ['context_length=4', '5']),
+    'MHA padding dtype': (lambda: MultiHeadAttention(4, 8, 8)(X, key_padding_mask=torch.zeros(2, 5)), TypeError,
+                          ['key_padding_mask', 'float32']),
+    'MHA padding shape': (lambda: MultiHeadAttention(4, 8, 8)(X, key_padding_mask=torch.zeros(2, 4, dtype=bool)),
+                          ValueError, ['key_padding_mask', '(2, 4)']),
+    'MHA padding list': (lambda: MultiHeadAttention(4, 8, 8)(X, key_padding_mask=[[False] * 5] * 2), TypeError,
+                         ['key_padding_mask', 'list']),
+    'MHA cache with padding': (lambda: MultiHeadAttention(4, 8, 8)(X, key_padding_mask=torch.zeros(2, 5, dtype=bool),
+                                                                   cache=KVCache()), ValueError, ['key_padding_mask']),
+    'to_torch d_in': (lambda: to_torch_multihead(MultiHeadAttention(4, 8, 8)), ValueError, ['d_in=4', 'd_out=8']),
+    'to_torch window': (lambda: to_torch_multihead(MultiHeadAttention(8, 8, 8, window=2)), ValueError, ['window=2']),
+    'to_torch rope': (lambda: to_torch_multihead(MultiHeadAttention(8, 8, 8, rope=True)), ValueError, ['rope=True']),
+    'to_torch gqa': (lambda: to_torch_multihead(MultiHeadAttention(8, 8, 8, num_heads=4, num_kv_heads=2)),
+                     ValueError, ['num_kv_heads=2']),
+    # --- since 2017
+    'repeat_kv zero': (lambda: repeat_kv(Q, 0), ValueError, ['group_size', '0']),
+    'repeat_kv float': (lambda: repeat_kv(Q, 2.0), ValueError, ['group_size', '2.0']),
+    'repeat_kv 3-D': (lambda: repeat_kv(Q[0], 2), ValueError, ['t', '(batch, num_kv_heads', '[2, 6, 4]']),
+    'repeat_kv list': (lambda: repeat_kv([1, 2], 2), ValueError, ['t', 'list']),
+    'window_mask zero': (lambda: window_mask(4, 0), ValueError, ['window', '0']),
+    'rope_angles base negative': (lambda: rope_angles(torch.arange(4), 4, base=-10), ValueError, ['base', '-10']),
+    'rope_angles base one': (lambda: rope_angles(torch.arange(4), 4, base=1), ValueError, ['base', 'got 1']),
+    'rope_angles odd': (lambda: rope_angles(torch.arange(4), 5), ValueError, ['head_dim', '5']),
+    'rope_angles zero dim': (lambda: rope_angles(torch.arange(4), 0), ValueError, ['head_dim', '0']),
+    'rope_angles 2-D positions': (lambda: rope_angles(torch.zeros(2, 3), 4), ValueError, ['positions', '[2, 3]']),
+    'rope_angles list positions': (lambda: rope_angles([0, 1], 4), ValueError, ['positions', 'list']),
+    'apply_rope int x': (lambda: apply_rope(torch.ones(5, 4, dtype=torch.long), torch.arange(5)), TypeError,
+                         ['x', 'int64']),
+    'apply_rope 1-D x': (lambda: apply_rope(torch.ones(4), torch.arange(1)), TypeError, ['x', '(4,)']),
+    'apply_rope one position': (lambda: apply_rope(torch.ones(5, 4), torch.tensor([3])), ValueError,
+                                ['positions', '(5,)', '[1]']),
+    'apply_rope base zero': (lambda: apply_rope(torch.ones(5, 4), torch.arange(5), base=0), ValueError,
+                             ['base', 'got 0']),
+    # --- how fused attention is fast
+    'tiled queries list': (lambda: tiled_attention([1.0], Q, Q), (TypeError, ValueError), ['queries']),
+    'tiled int queries': (lambda: tiled_attention(Q.long(), Q.long(), Q.long()), TypeError, ['queries', 'int64']),
+    'tiled block_size': (lambda: tiled_attention(Q, Q, Q, block_size=0), ValueError, ['block_size', '0']),
+    'tiled causal flag': (lambda: tiled_attention(Q, Q, Q, causal='True'), TypeError, ['causal', "'True'"]),
+    'tiled head_dim': (lambda: tiled_attention(Q, Q[..., :3], Q), ValueError, ['keys']),
+    # --- watching attention learn
+    'make_bank n': (lambda: make_bank_sentences(0, seed=0), ValueError, ['n', '0']),
+    'make_bank length': (lambda: make_bank_sentences(3, seed=0, num_tokens=1), ValueError, ['num_tokens', '1']),
+    'make_bank seed': (lambda: make_bank_sentences(3, seed='0'), TypeError, ['seed', "'0'"]),
+    'make_bank seed float': (lambda: make_bank_sentences(3, seed=1.5), TypeError, ['seed', '1.5']),
+    'classifier vocab': (lambda: BankSenseClassifier(vocab_size=0), ValueError, ['vocab_size', '0']),
+    'classifier classes': (lambda: BankSenseClassifier(num_classes=-1), ValueError, ['num_classes', '-1']),
+    'classifier d_model': (lambda: BankSenseClassifier(d_model=0), ValueError, ['d_in', '0']),
+    'classifier ids float': (lambda: CLF(IDS.float(), POS), TypeError, ['token_ids', 'float32']),
+    'classifier ids range': (lambda: CLF(IDS + 100, POS), ValueError, ['token_ids', f'[0, {len(VOCAB)})']),
+    'classifier ids 1-D': (lambda: CLF(IDS[0], POS), ValueError, ['token_ids', '(batch, num_tokens)']),
+    'classifier bank -1': (lambda: CLF(IDS, POS - 10), ValueError, ['bank_positions', '[0, 5)']),
+    'classifier bank past end': (lambda: CLF(IDS, POS + 5), ValueError, ['bank_positions', '[0, 5)']),
+    'classifier bank count': (lambda: CLF(IDS, POS[:3]), ValueError, ['bank_positions', '(6,)', '(3,)']),
+    'classifier bank float': (lambda: CLF(IDS, POS.float()), TypeError, ['bank_positions', 'float32']),
+    'classifier flag': (lambda: CLF(IDS, POS, return_attn_weights='False'), TypeError,
+                        ['return_attn_weights', "'False'"]),
+    'train_classifier steps': (lambda: train_classifier(CLF, IDS, LABELS, POS, steps=-5), ValueError, ['steps', '-5']),
+    'train_classifier lr': (lambda: train_classifier(CLF, IDS, LABELS, POS, lr=0), ValueError, ['lr', 'got 0']),
+    'train_classifier labels': (lambda: train_classifier(CLF, IDS, LABELS[:, None], POS), ValueError,
+                                ['labels', '(6,)', '(6, 1)']),
+    'accuracy labels 2-D': (lambda: accuracy(CLF, IDS, LABELS[:, None], POS), ValueError, ['labels', '(6, 1)']),
+    'accuracy labels float': (lambda: accuracy(CLF, IDS, LABELS.float(), POS), ValueError, ['labels', 'float32']),
+    'accuracy labels list': (lambda: accuracy(CLF, IDS, LABELS.tolist(), POS), ValueError, ['labels', 'list']),
+    'check_labels short': (lambda: check_labels(LABELS[:2], 6), ValueError, ['labels', '(2,)']),
+    'check_sentences ids': (lambda: check_sentences(IDS.float(), POS, 10), TypeError, ['token_ids']),
+    # --- generation
+    'CharTokenizer empty': (lambda: CharTokenizer(''), ValueError, ['text', "''"]),
+    'CharTokenizer list': (lambda: CharTokenizer(['a', 'b']), ValueError, ['text', "['a', 'b']"]),
+    'encode unknown': (lambda: TOK.encode('xyz'), ValueError, ['characters not in the vocabulary', "'x'"]),
+    'encode bytes': (lambda: TOK.encode(b'abc'), TypeError, ['text', 'bytes']),
+    'decode negative': (lambda: TOK.decode([0, -1]), ValueError, ['token_ids', 'from -1']),
+    'decode too big': (lambda: TOK.decode(torch.tensor([0, 6])), ValueError, ['token_ids', '[0, 6)', '6']),
+    'decode float': (lambda: TOK.decode(torch.tensor([0.0])), TypeError, ['token_ids', 'float32']),
+    'decode 2-D': (lambda: TOK.decode(torch.zeros(1, 2, dtype=torch.long)), ValueError, ['token_ids', '(1, 2)']),
+    'TinyGPT layers': (lambda: TinyGPT(10, 16, num_layers=-1), ValueError, ['num_layers', '-1']),
+    'TinyGPT layers zero': (lambda: TinyGPT(10, 16, num_layers=0), ValueError, ['num_layers', '0']),
+    'TinyGPT vocab': (lambda: TinyGPT(0, 16), ValueError, ['vocab_size', '0']),
+    'TinyGPT context': (lambda: TinyGPT(10, 0), ValueError, ['context_length', '0']),
+    'TinyGPT heads': (lambda: TinyGPT(10, 16, d_model=10, num_heads=4), ValueError, ['num_heads', '4']),
+    'TinyGPT window': (lambda: TinyGPT(10, 16, window=0), ValueError, ['window', '0']),
+    'TinyGPT rope': (lambda: TinyGPT(10, 16, rope='yes'), TypeError, ['rope', "'yes'"]),
+    'TinyGPT ids float': (lambda: GPT(torch.zeros(1, 3)), TypeError, ['token_ids', 'float32']),
+    'TinyGPT ids range': (lambda: GPT(torch.tensor([[0, 99]])), ValueError, ['token_ids', f'[0, {len(TOK)})', '99']),
+    'TinyGPT ids 1-D': (lambda: GPT(torch.tensor([0, 1])), ValueError, ['token_ids', '(batch, num_tokens)', '(2,)']),
+    'TinyGPT too long': (lambda: GPT(torch.zeros(1, 17, dtype=torch.long)), ValueError, ['context_length=16', '17']),
+    'TinyGPT caches': (lambda: GPT(torch.zeros(1, 2, dtype=torch.long), caches=[]), ValueError, ['caches', 'got []']),
+    'TransformerBlock heads': (lambda: TransformerBlock(10, 16, num_heads=4), ValueError, ['num_heads', '4']),
+    'TransformerBlock dropout': (lambda: TransformerBlock(8, 16, 2, dropout=2.0), ValueError, ['dropout', '2.0']),
+    'TransformerBlock x': (lambda: TransformerBlock(8, 16, 2)(torch.ones(1, 3, 4)), ValueError, ['d_in=8', '(1, 3, 4)']),
+    'train_tiny_gpt steps': (lambda: train_tiny_gpt(GPT, TOK.encode('abc de' * 5), steps=-5), ValueError,
+                             ['steps', '-5']),
+    'train_tiny_gpt lr': (lambda: train_tiny_gpt(GPT, TOK.encode('abc de' * 5), lr=-1.0), ValueError, ['lr', '-1.0']),
+    'train_tiny_gpt batch': (lambda: train_tiny_gpt(GPT, TOK.encode('abc de' * 5), batch_size=0), ValueError,
+                             ['batch_size', '0']),
+    'train_tiny_gpt block': (lambda: train_tiny_gpt(GPT, TOK.encode('abc de' * 5), block_size=2.5), ValueError,
+                             ['block_size', '2.5']),
+    'train_tiny_gpt data float': (lambda: train_tiny_gpt(GPT, torch.zeros(40)), TypeError, ['data', 'float32']),
+    'train_tiny_gpt data range': (lambda: train_tiny_gpt(GPT, torch.full((40,), 50)), ValueError, ['data', '50']),
+    'train_tiny_gpt data short': (lambda: train_tiny_gpt(GPT, TOK.encode('abc'), block_size=8), ValueError,
+                                  ['data has 3 tokens', 'block_size=8']),
+    'generate max_new_tokens': (lambda: generate(GPT, torch.zeros(1, 2, dtype=torch.long), -3), ValueError,
+                                ['max_new_tokens', '-3']),
+    'generate temperature': (lambda: generate(GPT, torch.zeros(1, 2, dtype=torch.long), 2, temperature=-1e-4),
+                             ValueError, ['temperature', '-0.0001']),
+    'generate temperature str': (lambda: generate(GPT, torch.zeros(1, 2, dtype=torch.long), 2, temperature='0'),
+                                 ValueError, ['temperature', "'0'"]),
+    'generate use_cache': (lambda: generate(GPT, torch.zeros(1, 2, dtype=torch.long), 2, use_cache='no'), TypeError,
+                           ['use_cache', "'no'"]),
+    'generate prompt float': (lambda: generate(GPT, torch.zeros(1, 2), 2), TypeError, ['prompt_ids', 'float32']),
+    'generate prompt 1-D': (lambda: generate(GPT, torch.zeros(2, dtype=torch.long), 2), ValueError,
+                            ['prompt_ids', '(2,)']),
+    'generate prompt range': (lambda: generate(GPT, torch.tensor([[0, 7]]), 2), ValueError, ['prompt_ids', '7']),
+    'generate too long': (lambda: generate(GPT, torch.zeros(1, 10, dtype=torch.long), 7), ValueError,
+                          ['17', 'context_length=16']),
+    # --- the explorer
+    'package_attention causal': (lambda: package_attention(EXPLORER.inputs(), causal='False'), TypeError,
+                                 ['causal', "'False'"]),
+    'reference_module causal': (lambda: reference_module(EXPLORER, causal=1), TypeError, ['causal', 'got 1']),
+}
+
+
+@pytest.mark.parametrize('case', list(CASES))
+def test_bad_input_gets_a_clear_error(case):
+    fn, error, words = CASES[case]
+    with pytest.raises(error) as info:
+        fn()
+    message = str(info.value)
+    missing = [w for w in words if w not in message]
+    assert not missing, f'{case}: the message does not say {missing}: {message!r}'
+
+
+def test_the_matrix_is_large_and_covers_the_public_names():
+    import selfattn_nbdev, selfattn_nbdev.generation as gen, selfattn_nbdev.training as tr
+    assert len(CASES) >= 150, len(CASES)
+    names = set(selfattn_nbdev.__all__) | {'CharTokenizer', 'TinyGPT', 'TransformerBlock', 'generate', 'train_tiny_gpt',
+                                           'make_bank_sentences', 'BankSenseClassifier', 'train_classifier', 'accuracy'}
+    covered = {n for n in names if any(n in c or n.replace('_', ' ') in c for c in CASES)}
+    aliases = {'MultiHeadAttention': 'MHA', 'MultiHeadAttentionWrapper': 'Wrapper', 'to_torch_multihead': 'to_torch',
+               'BankSenseClassifier': 'classifier', 'make_bank_sentences': 'make_bank', 'AttentionExplorer': None,
+               'KVCache': None}
+    covered |= {n for n, a in aliases.items() if a and any(c.startswith(a) for c in CASES)}
+    assert gen.__all__ and tr.__all__
+    uncovered = sorted(names - covered - {'AttentionExplorer', 'KVCache'})
+    assert not uncovered, f'public names without a bad-input case: {uncovered}'
+
+
+# --- what must be answered, not refused
+
+def test_counts_of_zero_are_answers():
+    prompt = torch.zeros(1, 2, dtype=torch.long)
+    assert torch.equal(generate(GPT, prompt, 0), prompt)
+    assert train_tiny_gpt(GPT, TOK.encode('abc de' * 5), steps=0, block_size=4) == []
+    assert train_classifier(CLF, IDS, LABELS, POS, steps=0) == []
+
+
+def test_empty_inputs_give_empty_results_on_the_single_head_modules():
+    for module in [SelfAttention(4, 3), SelfAttentionV1(4, 3), SelfAttentionV2(4, 3), CausalAttention(4, 3, 8)]:
+        assert module(torch.ones(0, 4)).shape == (0, 3)
+        assert module(torch.ones(0, 5, 4)).shape == (0, 5, 3)
+
+
+def test_leaks_future_runs_the_module_in_eval_mode_and_restores_its_mode():
+    module = CausalAttention(4, 3, 8, dropout=0.5).train()
+    assert not leaks_future(module, X, 2)   # dropout alone no longer looks like a leak
+    assert module.training
+
+
+def test_decode_takes_a_list_or_a_tensor():
+    assert TOK.decode([0, 1]) == TOK.decode(torch.tensor([0, 1])) == ' a'
+
+
+def test_accuracy_is_right_with_labels_of_the_right_shape():
+    with torch.no_grad():
+        predicted = CLF(IDS, POS).argmax(-1)
+    assert accuracy(CLF, IDS, predicted, POS) == 1.0

@@ -114,12 +114,16 @@ def figure_text_px(fig) -> list[tuple[float, str]]:
     return sorted((t.get_fontsize() * scale, t.get_text()) for t in texts)
 
 
-def _guard_figure_text(shell, problems: list) -> None:
+def _guard_figure_text(shell, problems: list, path: Path) -> None:
     "Note in `problems` every figure the notebook displays with text under 8 px on a phone (IPython would swallow a raise)."
     from matplotlib.backend_bases import FigureCanvasBase
     print_figure = FigureCanvasBase.print_figure
+    report = os.environ.get('FIGURE_TEXT_REPORT')  # a file: append each figure's smallest text, in px
     def checked(self, *args, **kwargs):
-        small = [(px, text) for px, text in figure_text_px(self.figure) if px < MIN_TEXT_PX]
+        sizes = figure_text_px(self.figure)
+        if report and sizes:
+            with open(report, 'a') as f: f.write(f'{path.name}\t{sizes[0][0]:.2f}\t{sizes[0][1][:30]!r}\n')
+        small = [(px, text) for px, text in sizes if px < MIN_TEXT_PX]
         if small:
             problems.append(f'cell #{shell._cell_idx}: figure text must be at least {MIN_TEXT_PX:g} CSS px tall on a 390 px '
                             f'phone; got {small[0][0]:.1f} px for {small[0][1][:40]!r} ({len(small)} text(s) too small) '
@@ -139,7 +143,7 @@ def _run_in_child(path: Path, nb, todo: set) -> tuple[list, str | None]:
         # GNU OpenMP hangs in a fork whose parent has run torch on several threads: keep the child on one
         if 'torch' in sys.modules: sys.modules['torch'].set_num_threads(1)
         shell, error, small_text = CaptureShell(path), None, []
-        _guard_figure_text(shell, small_text)
+        _guard_figure_text(shell, small_text, path)
         os.environ['IN_TEST'] = '1'
         os.chdir(path.parent)
         try: shell.run_all(nb, exc_stop=True, preproc=lambda c: id(c) not in todo)

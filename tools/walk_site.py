@@ -168,8 +168,12 @@ PAGE_FACTS = """(VIEWPORT) => {
   for (const c of document.querySelectorAll('main pre code, #quarto-document-content pre code'))
     for (const l of c.textContent.split('\\n')) { const m = l.match(/^(?:class|def)\\s+(\\w+)/); if (m) defs.push(m[1]); }
   const twice = [...new Set(defs.filter((d, i) => defs.indexOf(d) !== i))];
+  // Table headers may wrap between words, never inside one ("Performanc / e").
+  const brokenHeaders = [...document.querySelectorAll('main th, #quarto-document-content th')].filter(th => {
+      const s = getComputedStyle(th); return s.overflowWrap === 'anywhere' || s.wordBreak === 'break-all'
+        || s.overflowWrap === 'break-word' && th.scrollWidth > th.clientWidth + 1; }).map(th => th.textContent.trim().slice(0, 30));
   return {links, images, ids, math, rawMath, sidebar, scrollWidth: document.documentElement.scrollWidth,
-          innerWidth: window.innerWidth, title: document.title, cutOff, clipped, widest, pageNav, wideMath, twice, mathSource};
+          innerWidth: window.innerWidth, title: document.title, cutOff, clipped, widest, pageNav, wideMath, twice, mathSource, brokenHeaders};
 }"""
 
 
@@ -222,6 +226,7 @@ def walk(site: Path, chromium: str) -> int:
                     rep.check(not f['wideMath'], f'{name}: every display equation fits its box at {width} px '
                                                  f'(found {len(f["wideMath"])}: {f["wideMath"][:2]})')
                     rep.check(not f['twice'], f'{name}: each definition is shown once (twice: {f["twice"]})')
+                    rep.check(not f['brokenHeaders'], f'{name}: no table header breaks inside a word ({f["brokenHeaders"][:3]})')
                     own = [l for l in f['links'] if l.startswith(published)]
                     rep.check(not own, f'{name}: links to its own site stay local (found {own[:2]})')
                     rep.check(f['rawMath'] == 0, f'{name}: no raw TeX delimiters left in the text (found {f["rawMath"]})')

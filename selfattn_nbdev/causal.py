@@ -37,9 +37,9 @@ def causal_mask(
     num_keys:int|None=None,  # keys, when earlier ones are cached (default: num_tokens)
 ) -> Tensor:  # bool (num_tokens, num_keys): True where the key is in the query's future
     "The causal mask: `True` where key j lies in the future of query i."
-    num_keys = num_tokens if num_keys is None else num_keys
-    ones = torch.ones(num_tokens, num_keys, dtype=torch.bool, device=device)
-    return ones.triu(diagonal=num_keys - num_tokens + 1)  # (num_tokens, num_keys)
+    from selfattn_nbdev.masks import causal, dense_mask  # the mask as a predicate
+    # `causal`: where a query may attend (key j <= query i); this mask hides the rest
+    return ~dense_mask(causal, num_tokens, num_keys, device=device)[0, 0]
 
 # %% ../nbs/03_causal.ipynb #34f862d8
 def _load_without_saved_mask(self, state_dict, prefix, *args):

@@ -43,6 +43,7 @@ bench: $(INSTALLED) ## time the attention paths against PyTorch's, generation wi
 	$(PY) bench/generation.py
 	$(PY) bench/modern.py
 	$(PY) bench/memory_tiled.py
+	$(PY) bench/masks.py
 	$(call run_nbs,nbs/08_tiled.ipynb nbs/09_modern.ipynb nbs/07_performance.ipynb)
 
 # Run notebooks top to bottom from their own folder with nbdev's engine (execnb's exec_nb), stopping at the first

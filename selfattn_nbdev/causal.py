@@ -43,8 +43,9 @@ def causal_mask(
     if num_keys < num_tokens:  # the queries are the last num_tokens of the keys
         raise ValueError(f"num_keys must be >= num_tokens, the queries being the last "
                          f"keys; got num_keys={num_keys}, num_tokens={num_tokens}")
-    ones = torch.ones(num_tokens, num_keys, dtype=torch.bool, device=device)
-    return ones.triu(diagonal=num_keys - num_tokens + 1)  # (num_tokens, num_keys)
+    from selfattn_nbdev.masks import causal, dense_mask  # the mask as a predicate
+    # `causal`: where a query may attend (key j <= query i); this mask hides the rest
+    return ~dense_mask(causal, num_tokens, num_keys, device=device)[0, 0]
 
 # %% ../nbs/03_causal.ipynb #34f862d8
 def _load_without_saved_mask(self, state_dict, prefix, *args):

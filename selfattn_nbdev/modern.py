@@ -47,12 +47,10 @@ def window_mask(
     num_keys:int|None=None, # number of keys, when earlier ones are cached
 ) -> Tensor: # bool (num_tokens, num_keys): True where the key is out of reach
     "The causal mask of a sliding window: `True` for the future and for keys too old."
-    num_keys = num_tokens if num_keys is None else num_keys
-    check_size(window, 'window')
-    offset = num_keys - num_tokens                       # query i is at key offset + i
-    ones = torch.ones(num_tokens, num_keys, dtype=torch.bool, device=device)
-    too_old = ones.tril(diagonal=offset - window)        # key j <= offset + i - window
-    return causal_mask(num_tokens, device, num_keys) | too_old
+    from selfattn_nbdev.masks import dense_mask, sliding_window
+    # allowed: key j <= query i and i - j < window; hidden: the rest
+    allowed = dense_mask(sliding_window(window), num_tokens, num_keys, device=device)
+    return ~allowed[0, 0]
 
 # %% ../nbs/09_modern.ipynb #a3bcd307
 def check_window(

@@ -17,7 +17,11 @@ from .core import check_flag, check_size, check_tokens
 from .causal import (CausalAttention, _load_without_saved_mask,
                                    causal_mask, check_context, check_dropout)
 from .modern import (check_kv_heads, check_rope, check_window, repeat_kv,
-                                   rope_angles, rope_rotate, window_mask)
+                                   rope_angles, rope_rotate)
+from .masks import (and_masks, dense_mask, document_positions, documents,
+                                  flex_attend, key_padding, pick_kernel, sliding_window,
+                                  varlen_attend)
+from .masks import causal as causal_mod
 
 # %% ../nbs/04_multihead.ipynb #1176acd3
 def check_heads(
@@ -57,6 +61,18 @@ class MultiHeadAttentionWrapper(nn.Module):
         return torch.cat(per_head, dim=-1)           # (..., num_tokens, d_out)
 
 # %% ../nbs/04_multihead.ipynb #7c5c1e65
+def _mask_mod(
+    causal:bool, # hide the future of every query
+    window:int|None, # with causal: also hide keys window or more tokens back
+    key_padding_mask:Tensor|None, # bool (batch, num_tokens), True = padding; or None
+    document_ids:Tensor|None=None, # int (batch, num_tokens): packed documents; or None
+): # the predicate (b, h, q_idx, kv_idx) -> True = attend; None: nothing hidden
+    "The module's mask as one predicate (see [Masks as functions](masks.html))."
+    mods = [sliding_window(window) if window else causal_mod] if causal else []
+    if key_padding_mask is not None: mods.append(key_padding(key_padding_mask))
+    if document_ids is not None: mods.append(documents(document_ids))
+    return and_masks(*mods) if mods else None
+
 def _blocked_mask(
     num_tokens:int, # number of queries: the last num_tokens positions
     causal:bool,    # hide the future of every query
@@ -64,19 +80,13 @@ def _blocked_mask(
     device=None,    # where to build the mask
     num_keys:int|None=None, # number of keys, when earlier ones are cached
     window:int|None=None, # with causal: also hide keys window or more tokens back
-) -> Tensor|None: # bool, True = do not attend; None when nothing is blocked
-    "Combine the causal (or sliding-window) mask and a key padding mask into one mask."
-    blocked = None
-    if causal:
-        future = (causal_mask(num_tokens, device, num_keys) if window is None
-                  else window_mask(num_tokens, window, device, num_keys))  # (T, T_keys)
-        blocked = future[None, None]                                 # (1, 1, T, T_keys)
-    if key_padding_mask is not None:
-        padding = key_padding_mask[:, None, None, :]                 # (b, 1, 1, T)
-        blocked = padding if blocked is None else blocked | padding  # (b, 1, T or 1, T)
-        b = key_padding_mask.shape[0]
-        blocked = blocked.expand(b, 1, num_tokens, num_tokens)       # (b, 1, T, T)
-    return blocked
+    document_ids:Tensor|None=None, # int (batch, num_tokens): packed documents; or None
+) -> Tensor|None: # bool (b | 1, 1, T, T_keys), True = do not attend; None: nothing
+    "Combine the causal (or sliding-window), padding and document masks into one mask."
+    mask_mod = _mask_mod(causal, window, key_padding_mask, document_ids)
+    if mask_mod is None: return None
+    rows = [t.shape[0] for t in (key_padding_mask, document_ids) if t is not None]
+    return ~dense_mask(mask_mod, num_tokens, num_keys, (rows or [1])[0], device=device)
 
 # %% ../nbs/04_multihead.ipynb #baed4011
 def _check_padding_mask(
@@ -96,6 +106,23 @@ def _check_padding_mask(
     if tuple(key_padding_mask.shape) != expected:
         raise ValueError(f"key_padding_mask must have shape {names} = {expected}; "
                          f"got {tuple(key_padding_mask.shape)}")
+
+def _check_document_ids(
+    document_ids, # None, or what the caller passed as document_ids
+    x:Tensor, # the input, (num_tokens, d_in) or (batch, num_tokens, d_in)
+) -> None:
+    "Document ids must be an integer tensor shaped like `x` minus its last axis."
+    if document_ids is None: return
+    expected = tuple(x.shape[:-1])
+    if (not isinstance(document_ids, Tensor) or document_ids.is_floating_point()
+            or document_ids.dtype == torch.bool):
+        kind = (document_ids.dtype if isinstance(document_ids, Tensor)
+                else type(document_ids).__name__)
+        raise TypeError(f"document_ids must be an integer tensor of shape {expected} "
+                        f"(the document of every token); got {kind}")
+    if tuple(document_ids.shape) != expected:
+        raise ValueError(f"document_ids must have shape {expected}; "
+                         f"got {tuple(document_ids.shape)}")
 
 # %% ../nbs/04_multihead.ipynb #1c9960f3
 class MultiHeadAttention(nn.Module):
@@ -174,11 +201,12 @@ class MultiHeadAttention(nn.Module):
                num_tokens:int, # number of queries
                key_padding_mask:Tensor|None, # bool (b, num_tokens), True = padding
                num_keys:int, # number of keys (more than num_tokens with a cache)
+               document_ids:Tensor|None=None, # int (b, num_tokens), or None
               ) -> tuple: # blocked (b|1, 1, T, T_keys) | None; dead (b, 1, T, 1) | None
         "The mask `blocked` (True = do not attend) and the `dead` rows (no key left)."
         device = self.W_query.weight.device
         blocked = _blocked_mask(num_tokens, self.causal, key_padding_mask, device,
-                                num_keys, self.window)
+                                num_keys, self.window, document_ids)
         if key_padding_mask is None: return blocked, None
         dead = blocked.all(dim=-1, keepdim=True)  # (b, 1, T, 1): every key blocked
         return blocked & ~dead, dead              # dead rows may attend; zeroed later
@@ -188,11 +216,13 @@ class MultiHeadAttention(nn.Module):
                          keys:Tensor,    # (b, num_kv_heads, num_keys, head_dim)
                          values:Tensor,  # (b, num_kv_heads, num_keys, head_dim)
                          key_padding_mask:Tensor|None, # bool (b, num_tokens) or None
+                         document_ids:Tensor|None=None, # int (b, num_tokens) or None
                         ) -> tuple: # context(b, heads, T, hd), weights(b, heads, T, T)
         "Scores, mask, softmax, dropout, weighted sum: all heads at once, step by step."
         group_size = self.num_heads // self.num_kv_heads
         keys, values = repeat_kv(keys, group_size), repeat_kv(values, group_size)
-        blocked, dead = self._masks(queries.shape[2], key_padding_mask, keys.shape[2])
+        blocked, dead = self._masks(queries.shape[2], key_padding_mask, keys.shape[2],
+                                    document_ids)
         attn_scores = queries @ keys.transpose(2, 3)  # (b, heads, T, T_keys)
         if blocked is not None:
             attn_scores = attn_scores.masked_fill(blocked, -torch.inf)
@@ -207,20 +237,35 @@ class MultiHeadAttention(nn.Module):
                       keys:Tensor,    # (b, num_kv_heads, num_keys, head_dim)
                       values:Tensor,  # (b, num_kv_heads, num_keys, head_dim)
                       key_padding_mask:Tensor|None, # bool (b, num_tokens) or None
+                      document_ids:Tensor|None=None, # int (b, num_tokens) or None
                      ) -> Tensor: # context, (b, num_heads, num_tokens, head_dim)
-        "The same with the fused `F.scaled_dot_product_attention`; no weights kept."
+        "The same with the fastest kernel for the mask (`pick_kernel`); no weights."
+        dropout_p = self.dropout.p if self.training else 0.0
         kernel = partial(F.scaled_dot_product_attention,  # GQA: the kernel repeats k, v
-                         dropout_p=self.dropout.p if self.training else 0.0,
+                         dropout_p=dropout_p,
                          enable_gqa=self.num_kv_heads != self.num_heads)
         num_tokens, num_keys = queries.shape[2], keys.shape[2]
         in_reach = self.window is None or num_keys <= self.window  # no key too old
         sees_all = not self.causal or (num_tokens == 1 and in_reach)  # 1 new token
-        if key_padding_mask is None and (sees_all or (num_tokens == num_keys
-                                                      and self.window is None)):
+        plain = key_padding_mask is None and document_ids is None
+        if plain and (sees_all or (num_tokens == num_keys and self.window is None)):
             # no mask to build: the kernel applies causality itself, or none is needed
             return kernel(queries, keys, values, is_causal=not sees_all)
-        blocked, dead = self._masks(num_tokens, key_padding_mask, num_keys)
-        # a window, padding, or several new tokens after cached ones: a mask
+        choice = pick_kernel(queries.device.type, True, num_tokens, num_keys,
+                             queries.requires_grad, dropout_p,
+                             padding_only=document_ids is None and self.window is None,
+                             half=queries.dtype in (torch.float16, torch.bfloat16))
+        if choice == 'varlen':  # CUDA only: the real tokens, packed
+            return varlen_attend(queries, keys, values, key_padding_mask, self.causal)
+        if choice != 'dense':   # FlexAttention: tiles skipped, no dense mask
+            mask_mod = _mask_mod(self.causal, self.window, key_padding_mask,
+                                 document_ids)
+            return flex_attend(queries, keys, values, mask_mod,
+                               ('window', self.window) if plain else None,
+                               compiled=choice == 'flex')
+        blocked, dead = self._masks(num_tokens, key_padding_mask, num_keys,
+                                    document_ids)
+        # the fallback: SDPA with the dense mask
         context = kernel(queries, keys, values, attn_mask=~blocked)  # True = attend
         return context if dead is None else context.masked_fill(dead, 0.0)
 
@@ -229,32 +274,44 @@ class MultiHeadAttention(nn.Module):
                 key_padding_mask:Tensor|None=None, # bool, x.shape[:-1]; True = padding
                 return_attn_weights:bool=False, # explicit path; also return the weights
                 cache=None, # a KVCache, for generation: x holds only the new tokens
+                document_ids:Tensor|None=None, # int, x.shape[:-1]: packed documents
                ) -> Tensor: # context vectors (..., num_tokens, d_out) [and the weights]
         "Project `x`, split into heads, attend, merge the heads, mix them (out_proj)."
         weight = self.W_query.weight
         check_tokens(x, self.d_in, weight.dtype, weight.device)
-        _check_padding_mask(key_padding_mask, x)
+        _check_padding_mask(key_padding_mask, x); _check_document_ids(document_ids, x)
         unbatched = x.dim() == 2
         if unbatched:  # one sequence: add a batch axis of 1, removed at the end
             x = x.unsqueeze(0)                             # (1, num_tokens, d_in)
             if key_padding_mask is not None: key_padding_mask = key_padding_mask[None]
+            if document_ids is not None: document_ids = document_ids[None]
         if cache is None: check_context(x.shape[1], self.context_length)
         else: cache.check_new_tokens(x, key_padding_mask, self.context_length)
+        if cache is not None and document_ids is not None:
+            raise ValueError("document_ids cannot be combined with a cache; "
+                             "generate each document on its own")
+        if key_padding_mask is not None:  # NaN or inf in padding must not reach a sum
+            x = x.masked_fill(key_padding_mask[..., None] & ~x.isfinite(), 0.0)
         queries = self._split_heads(self.W_query(x))       # (b, heads, T, head_dim)
         keys = self._split_heads(self.W_key(x))            # (b, kv_heads, T, hd)
         values = self._split_heads(self.W_value(x))        # (b, kv_heads, T, hd)
         if self.rope:  # turn each query and key by the angle of its position
             seen = 0 if cache is None else cache.num_seen
             cos, sin = self._rope_table(seen + x.shape[1], queries)  # (positions, hd)
-            cos, sin = cos[seen:seen + x.shape[1]], sin[seen:seen + x.shape[1]]
+            if document_ids is None:
+                cos, sin = cos[seen:seen + x.shape[1]], sin[seen:seen + x.shape[1]]
+            else:  # positions restart at 0 with every document
+                positions = document_positions(document_ids)         # (b, T)
+                cos, sin = cos[positions][:, None], sin[positions][:, None]  # b,1,T,hd
             queries, keys = rope_rotate(queries, cos, sin), rope_rotate(keys, cos, sin)
         if cache is not None:  # tokens in reach: (b, kv, kept + T, hd)
             keys, values = cache.append(keys, values, self.window)
         if return_attn_weights:
-            context, attn_weights = self._attend_explicit(queries, keys, values,
-                                                          key_padding_mask)
+            context, attn_weights = self._attend_explicit(
+                queries, keys, values, key_padding_mask, document_ids)
         else:
-            context = self._attend_fused(queries, keys, values, key_padding_mask)
+            context = self._attend_fused(queries, keys, values, key_padding_mask,
+                                         document_ids)
         out = self.out_proj(self._merge_heads(context))    # (b, num_tokens, d_out)
         if unbatched: out = out.squeeze(0)
         if not return_attn_weights: return out
@@ -271,7 +328,6 @@ class MultiHeadAttention(nn.Module):
                  f"context_length={self.context_length}, "
                  f"num_heads={self.num_heads}, causal={self.causal}")
         return sizes + (",\n" + ", ".join(extras) if extras else "")  # 2nd line
-
 
 # %% ../nbs/04_multihead.ipynb #dbd683b0
 def to_torch_multihead(

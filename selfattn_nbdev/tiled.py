@@ -13,6 +13,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .core import check_flag, check_size
+from .masks import EMPTY, FULL, PARTIAL, TileMask, block_mask
 
 # %% ../nbs/08_tiled.ipynb #a6c31b2e
 def online_softmax_step(
@@ -58,16 +59,54 @@ def _tile_scores(
     return attn_scores
 
 # %% ../nbs/08_tiled.ipynb #ea2ce193
+def _tile_kinds(
+    block_mask:TileMask|None, # the mask's tiles, or None: every tile is full
+) -> dict|None: # {(q tile, k tile): kind} of the tiles not empty for every row
+    "A tile is skipped if empty for every row and head, unmasked if full for all."
+    if block_mask is None: return None
+    kinds = block_mask.kinds.flatten(0, 1)                    # (B * H, nq, nk)
+    lo, hi = kinds.amin(0), kinds.amax(0)                     # (nq, nk) each
+    kind = torch.where(lo == FULL, FULL, PARTIAL)             # (nq, nk)
+    visited = (hi != EMPTY).nonzero().tolist()                # [[i, j], ...]
+    return {(i, j): k for (i, j), k in zip(visited, kind[hi != EMPTY].tolist())}
+
+def _key_starts(
+    kinds:dict|None, q0:int, last_key:int, block_size:int, # the row of tiles at q0
+) -> list: # the first key of every tile to visit in that row
+    "The key tiles a query tile visits: all up to `last_key`, or the non-empty ones."
+    if kinds is None: return list(range(0, last_key, block_size))
+    i = q0 // block_size
+    return [k0 for k0 in range(0, last_key, block_size)
+            if (i, k0 // block_size) in kinds]
+
+def _masked_tile_scores(
+    q_blk:Tensor, k_blk:Tensor, q0:int, k0:int, causal:bool, # as for _tile_scores
+    kinds:list|None, # from _tile_kinds
+    block_mask:TileMask|None, # asked for the mask of a partial tile
+) -> Tensor|None: # scores (..., bq, bk), -inf where hidden; None: an empty tile
+    "A tile's scores with the causal and the block mask; None when nothing is seen."
+    bs = 1 if block_mask is None else block_mask.block_size
+    kind = FULL if kinds is None else kinds.get((q0 // bs, k0 // bs), EMPTY)
+    if kind == EMPTY: return None                       # skipped: not even computed
+    attn_scores = _tile_scores(q_blk, k_blk, q0, k0, causal)    # (..., bq, bk)
+    if kind == PARTIAL:                                 # ask the predicate
+        visible = block_mask.tile(q0, k0, k_blk.device) # (B | 1, H | 1, bq, bk)
+        if attn_scores.dim() < 4: visible = visible[0, 0]
+        attn_scores = attn_scores.masked_fill(~visible, -math.inf)
+    return attn_scores
+
 def _tiled_forward(
     queries:Tensor, # (..., num_tokens, head_dim)
     keys:Tensor,    # (..., num_keys, head_dim)
     values:Tensor,  # (..., num_keys, d_v)
     causal:bool,    # query i sees keys 0..i only
     block_size:int, # tokens per block, for queries and for keys
+    block_mask:TileMask|None=None, # which tiles to skip, mask or leave whole
 ) -> tuple: # context vectors (..., num_tokens, d_v) and L (..., num_tokens, 1)
     "Context vectors and each query's log-sum-exp L, computed tile by tile."
     num_tokens, num_keys = queries.shape[-2], keys.shape[-2]
     scale = 1 / math.sqrt(queries.shape[-1])
+    kinds = _tile_kinds(block_mask)
     context_vecs = values.new_empty(queries.shape[:-1] + values.shape[-1:])
     lse = queries.new_empty(queries.shape[:-1] + (1,))                   # (..., T, 1)
     for q0 in range(0, num_tokens, block_size):
@@ -76,12 +115,15 @@ def _tiled_forward(
         l = torch.zeros_like(m)                                          # (..., bq, 1)
         acc = values.new_zeros(q_blk.shape[:-1] + values.shape[-1:])  # (..., bq, d_v)
         last_key = min(num_keys, q0 + q_blk.shape[-2]) if causal else num_keys
-        for k0 in range(0, last_key, block_size):  # causal: future tiles not visited
+        for k0 in _key_starts(kinds, q0, last_key, block_size):  # no empty tile
             k_blk = keys[..., k0:k0 + block_size, :]                     # (..., bk, hd)
-            attn_scores = _tile_scores(q_blk, k_blk, q0, k0, causal)     # (..., bq, bk)
+            attn_scores = _masked_tile_scores(q_blk, k_blk, q0, k0, causal, kinds,
+                                              block_mask)                # (..., bq, bk)
+            if attn_scores is None: continue                             # empty tile
             m, l, rescale, exp_scores = online_softmax_step(m, l, attn_scores)
             acc = acc * rescale + exp_scores @ values[..., k0:k0 + block_size, :]
-        context_vecs[..., q0:q0 + block_size, :] = acc / l               # z = a / l
+        # z = a / l; a query that sees no key (l = 0) gets 0, not 0 / 0
+        context_vecs[..., q0:q0 + block_size, :] = acc / l.masked_fill(l == 0, 1.0)
         lse[..., q0:q0 + block_size, :] = m + torch.log(l)               # L = m + log l
     return context_vecs, lse
 
@@ -95,10 +137,13 @@ def _tiled_backward(
     lse:Tensor,          # each query's L from the forward, (..., T, 1)
     causal:bool,         # as in the forward pass
     block_size:int,      # as in the forward pass
+    block_mask:TileMask|None=None, # as in the forward pass
 ) -> tuple: # the gradients of queries, keys and values
     "dQ, dK, dV from O and L, recomputing the weights P tile by tile."
     num_tokens, num_keys = queries.shape[-2], keys.shape[-2]
     scale = 1 / math.sqrt(queries.shape[-1])
+    kinds = _tile_kinds(block_mask)
+    lse = lse.masked_fill(lse == -math.inf, math.inf)  # a query that saw nothing: P = 0
     D = (grad_context * context_vecs).sum(-1, keepdim=True)    # (..., T, 1)
     grad_queries, grad_keys, grad_values = map(torch.zeros_like,
                                                (queries, keys, values))
@@ -108,7 +153,9 @@ def _tiled_backward(
         for q0 in range(k0 if causal else 0, num_tokens, block_size):
             rows = slice(q0, q0 + block_size)
             q_blk = queries[..., rows, :] * scale                     # as in forward
-            attn_scores = _tile_scores(q_blk, k_blk, q0, k0, causal)
+            attn_scores = _masked_tile_scores(q_blk, k_blk, q0, k0, causal, kinds,
+                                              block_mask)
+            if attn_scores is None: continue                          # empty tile
             attn_weights = torch.exp(attn_scores - lse[..., rows, :])  # P (.., bq, bk)
             grad_out = grad_context[..., rows, :]                    # dO (.., bq, d_v)
             grad_values[..., cols, :] += attn_weights.transpose(-2, -1) @ grad_out
@@ -122,20 +169,21 @@ def _tiled_backward(
 class _TiledAttention(torch.autograd.Function):
     "Tiled attention whose backward recomputes the weights from O and L."
     @staticmethod
-    def forward(ctx, queries, keys, values, causal, block_size):
+    def forward(ctx, queries, keys, values, causal, block_size, block_mask=None):
         "Run the tiles; save the inputs, the output and L, nothing of size T x T."
-        context_vecs, lse = _tiled_forward(queries, keys, values, causal, block_size)
+        context_vecs, lse = _tiled_forward(queries, keys, values, causal, block_size,
+                                           block_mask)
         ctx.save_for_backward(queries, keys, values, context_vecs, lse)
-        ctx.causal, ctx.block_size = causal, block_size
+        ctx.causal, ctx.block_size, ctx.block_mask = causal, block_size, block_mask
         return context_vecs
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_context):
-        "Gradients of queries, keys and values; none for causal and block_size."
+        "Gradients of queries, keys and values; none for the other arguments."
         grads = _tiled_backward(grad_context, *ctx.saved_tensors, ctx.causal,
-                                ctx.block_size)
-        return *grads, None, None
+                                ctx.block_size, ctx.block_mask)
+        return *grads, None, None, None
 
 # %% ../nbs/08_tiled.ipynb #6e0d615a
 def _check_attention_inputs(
@@ -174,6 +222,25 @@ def _check_attention_inputs(
     check_size(queries.shape[-1], 'head_dim')
     check_flag(causal, 'causal'); check_size(block_size, 'block_size')
 
+# %% ../nbs/08_tiled.ipynb #b10c4a5e
+def _check_block_mask(
+    block_mask, # what tiled_attention got as block_mask
+    queries:Tensor, keys:Tensor, # as given to tiled_attention
+) -> None:
+    "A block mask must be a `TileMask` made for these numbers of queries and keys."
+    if not isinstance(block_mask, TileMask):
+        raise TypeError(f"block_mask must be a TileMask from masks.block_mask; "
+                        f"got {type(block_mask).__name__}")
+    sizes = (queries.shape[-2], keys.shape[-2])
+    if (block_mask.num_tokens, block_mask.num_keys) != sizes:
+        raise ValueError(f"block_mask was made for (num_tokens, num_keys) = "
+                         f"{(block_mask.num_tokens, block_mask.num_keys)}; got {sizes}")
+    if queries.dim() < 4 and tuple(block_mask.kinds.shape[:2]) != (1, 1):
+        raise ValueError(f"a block_mask with batch and heads "
+                         f"{tuple(block_mask.kinds.shape[:2])} needs queries "
+                         f"(batch, heads, num_tokens, head_dim); got "
+                         f"{tuple(queries.shape)}")
+
 # %% ../nbs/08_tiled.ipynb #5e569936
 def tiled_attention(
     queries:Tensor, # (..., num_tokens, head_dim)
@@ -181,7 +248,11 @@ def tiled_attention(
     values:Tensor,  # (..., num_keys, d_v)
     causal:bool=False, # query i sees keys 0..i only (top-left, as SDPA's is_causal)
     block_size:int=64, # tokens per tile, for queries and for keys
+    block_mask:TileMask|None=None, # from masks.block_mask: tiles to skip or mask
 ) -> Tensor: # context vectors (..., num_tokens, d_v)
     "softmax(QKᵀ/√d) V tile by tile: no (num_tokens, num_keys) matrix, forward or back."
     _check_attention_inputs(queries, keys, values, causal, block_size)
-    return _TiledAttention.apply(queries, keys, values, causal, block_size)
+    if block_mask is not None:
+        _check_block_mask(block_mask, queries, keys)
+        block_size = block_mask.block_size
+    return _TiledAttention.apply(queries, keys, values, causal, block_size, block_mask)

@@ -1,0 +1,230 @@
+"""Masks as predicates: one definition for the dense mask, the block mask and the kernels.
+
+Every mask kind and combination against a dense reference, on the explicit, fused, tiled and FlexAttention paths;
+padding that cannot poison real tokens; packed documents equal to documents run alone."""
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from selfattn_nbdev import MultiHeadAttention, leaks_future
+from selfattn_nbdev.masks import (EMPTY, FULL, PARTIAL, and_masks, block_mask, causal, dense_mask,
+                                  document_positions, documents, flex_attend, flex_mode, key_padding,
+                                  or_masks, pick_kernel, sliding_window)
+from selfattn_nbdev.tiled import tiled_attention
+
+T = 23
+PAD = torch.arange(T) >= torch.tensor([[T], [15]])                 # row 1: 8 padded keys
+IDS = torch.tensor([[0] * 9 + [1] * 10 + [2] * 4, [0] * 5 + [1] * 18])
+MASKS = {
+    'causal': causal,
+    'window': sliding_window(6),
+    'padding': key_padding(PAD),
+    'lengths': key_padding(torch.tensor([T, 15])),
+    'documents': documents(IDS),
+    'causal+padding': and_masks(causal, key_padding(PAD)),
+    'window+documents': and_masks(sliding_window(6), documents(IDS)),
+    'causal+documents+padding': and_masks(causal, documents(IDS), key_padding(PAD)),
+    'window|first': or_masks(sliding_window(4), lambda b, h, q, kv: kv == 0),
+}
+
+
+def reference(mask_mod, q, k, v):
+    "softmax with the dense mask, in the plainest way; rows with no key give 0."
+    allowed = dense_mask(mask_mod, T, batch=2)
+    scores = (q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5).masked_fill(~allowed, -torch.inf)
+    weights = torch.softmax(scores, -1).nan_to_num(0.0)
+    return weights @ v
+
+
+def _qkv(dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(2, 3, T, 8, generator=g, dtype=dtype, requires_grad=True) for _ in range(3)]
+
+
+def test_dense_mask_asks_every_pair():
+    for name, mod in MASKS.items():
+        dense = dense_mask(mod, T, batch=2).expand(2, 1, T, T)
+        for b, i, j in itertools.product(range(2), range(0, T, 5), range(0, T, 3)):
+            assert bool(dense[b, 0, i, j]) == bool(mod(torch.tensor(b), 0, torch.tensor(i), torch.tensor(j))), name
+
+
+@pytest.mark.parametrize('name', list(MASKS))
+def test_block_mask_kinds_agree_with_the_dense_mask(name):
+    tiles = block_mask(MASKS[name], T, block_size=8, batch=2)
+    dense = F.pad(dense_mask(MASKS[name], T, batch=2).expand(2, 1, T, T), (0, 1, 0, 1))  # 24 = 3 tiles of 8
+    for i, j in itertools.product(range(3), range(3)):
+        tile = dense[..., 8 * i:min(8 * i + 8, T), 8 * j:min(8 * j + 8, T)].flatten(-2)
+        expected = torch.where(tile.all(-1), FULL, torch.where(tile.any(-1), PARTIAL, EMPTY))
+        assert torch.equal(tiles.kinds[..., i, j].long().expand(2, 1), expected), (name, i, j)
+
+
+@pytest.mark.parametrize('dtype,tol', [(torch.float32, 1e-5), (torch.float64, 1e-12)])
+@pytest.mark.parametrize('name', list(MASKS))
+def test_tiled_with_block_mask_equals_the_dense_reference(name, dtype, tol):
+    q, k, v = _qkv(dtype)
+    ours = tiled_attention(q, k, v, block_mask=block_mask(MASKS[name], T, block_size=8, batch=2))
+    theirs = reference(MASKS[name], q, k, v)
+    assert (ours - theirs).abs().max() < tol
+    g = torch.randn_like(ours)
+    for a, b in zip(torch.autograd.grad((ours * g).sum(), (q, k, v)), torch.autograd.grad((theirs * g).sum(), (q, k, v))):
+        assert (a - b).abs().max() < tol
+
+
+def test_tiled_skips_empty_tiles():
+    "A NaN in keys that only empty tiles hold cannot reach the output: those tiles are never computed."
+    q, k, v = (t.detach() for t in _qkv(torch.float64))
+    k[..., :8, :] = torch.nan                         # keys 0..7: the first tile of keys
+    window = sliding_window(4)
+    out = tiled_attention(q, k, v, block_mask=block_mask(window, T, block_size=8))
+    assert out[..., 16:, :].isfinite().all()          # query tile 2 only visits key tiles 1 and 2
+    assert out[..., :8, :].isnan().all()              # the ones that read the NaN keys
+
+
+@pytest.mark.parametrize('name', ['window', 'causal+padding', 'window+documents', 'causal+documents+padding'])
+def test_flex_attention_uncompiled_equals_the_reference(name):
+    q, k, v = (t.detach().float() for t in _qkv(torch.float32))
+    ours = flex_attend(q, k, v, MASKS[name], compiled=False)
+    assert (ours - reference(MASKS[name], q, k, v)).abs().max() < 1e-5
+
+
+@pytest.mark.slow
+def test_flex_attention_compiled_equals_the_reference():
+    q, k, v = (t.detach() for t in _qkv(torch.float32))
+    mod = MASKS['causal+documents+padding']
+    assert (flex_attend(q, k, v, mod) - reference(mod, q, k, v)).abs().max() < 1e-5
+
+
+def _module(**kw):
+    torch.manual_seed(0)
+    return MultiHeadAttention(16, 16, 64, num_heads=4, **kw).double()
+
+
+PATHS = {
+    'explicit': lambda m, x, **kw: m(x, return_attn_weights=True, **kw)[0],
+    'fused': lambda m, x, **kw: m(x, **kw),
+}
+
+
+@pytest.mark.parametrize('path', list(PATHS))
+@pytest.mark.parametrize('poison', [torch.nan, torch.inf, -torch.inf, 1e4])
+def test_padding_cannot_poison_real_tokens(path, poison):
+    m = _module(num_kv_heads=2, rope=True)
+    pad = torch.zeros(2, 10, dtype=torch.bool); pad[0, 7:] = True; pad[1, :3] = True
+    x = torch.randn(2, 10, 16, dtype=torch.float64, requires_grad=True)
+    x_bad = x.detach().masked_fill(pad[..., None], poison).requires_grad_(True)
+    outs = [PATHS[path](m, inp, key_padding_mask=pad) for inp in (x, x_bad)]
+    real = ~pad
+    assert torch.equal(outs[0][real], outs[1][real])
+    grads = [torch.autograd.grad(o[real].sum(), inp, retain_graph=True)[0] for o, inp in zip(outs, (x, x_bad))]
+    assert torch.equal(grads[0][real], grads[1][real]) and grads[1].isfinite().all()
+    m.zero_grad(); outs[1][real].sum().backward()
+    assert all(p.grad.isfinite().all() for p in m.parameters())
+    assert torch.equal(outs[1][1, :3], torch.zeros(3, 16, dtype=torch.float64) + m.out_proj.bias)  # fully padded rows
+
+
+@pytest.mark.parametrize('path', list(PATHS) + ['flex'])
+def test_the_future_cannot_leak_with_documents_and_padding(path):
+    m = _module(window=4)
+    ids = torch.tensor([[0] * 5 + [1] * 7])
+    pad = torch.zeros(1, 12, dtype=torch.bool); pad[0, -2:] = True
+    if path == 'flex':   # FlexAttention has no CPU backward: compare forward outputs only
+        x = torch.randn(1, 12, 16, dtype=torch.float64)
+        x2 = x.clone(); x2[:, 6:] += 1
+        with flex_mode('eager'), torch.no_grad():
+            a, b = (m(t, key_padding_mask=pad, document_ids=ids) for t in (x, x2))
+        assert (a[:, :6] - b[:, :6]).abs().max() < 1e-6
+        return
+    call = lambda x: PATHS[path](m, x, key_padding_mask=pad, document_ids=ids)
+    assert not any(leaks_future(call, torch.randn(1, 12, 16, dtype=torch.float64), t) for t in (2, 6, 9))
+
+
+DOC_LENGTHS = (7, 9, 4)
+
+
+@pytest.mark.parametrize('options', [dict(), dict(num_kv_heads=2, window=5, rope=True), dict(causal=False, rope=True)])
+@pytest.mark.parametrize('path', list(PATHS) + ['flex', 'tiled'])
+def test_packed_documents_equal_documents_alone(path, options):
+    m = _module(**options)
+    x = torch.randn(1, sum(DOC_LENGTHS), 16, dtype=torch.float64, requires_grad=True)
+    ids = torch.repeat_interleave(torch.arange(3), torch.tensor(DOC_LENGTHS))[None]
+    pieces = x.split(DOC_LENGTHS, dim=1)
+    alone = torch.cat([m(p) for p in pieces], 1)
+    if path == 'flex':
+        with flex_mode('eager'), torch.no_grad():
+            assert (m(x, document_ids=ids) - alone).abs().max() < 1e-6
+        return
+    if path == 'tiled':   # the module's projections, attention by tiled_attention with the block mask
+        mod = and_masks(causal, documents(ids)) if m.causal else documents(ids)
+        if m.window: mod = and_masks(sliding_window(m.window), documents(ids))
+        tiles = block_mask(mod, x.shape[1], block_size=8)
+        with torch.no_grad():
+            ref = m(x, document_ids=ids)
+        q = m._split_heads(m.W_query(x)); k = m._split_heads(m.W_key(x)); v = m._split_heads(m.W_value(x))
+        if m.rope:
+            cos, sin = m._rope_table(x.shape[1], q)
+            pos = document_positions(ids)
+            from selfattn_nbdev.modern import rope_rotate
+            q, k = (rope_rotate(t, cos[pos][:, None], sin[pos][:, None]) for t in (q, k))
+        group = m.num_heads // m.num_kv_heads
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        out = m.out_proj(m._merge_heads(tiled_attention(q, k, v, block_mask=tiles)))
+        assert (out - ref).abs().max() < 1e-12
+        return
+    packed = PATHS[path](m, x, document_ids=ids)
+    assert (packed - alone).abs().max() < 1e-12
+    g = torch.randn_like(packed)
+    ga, = torch.autograd.grad((packed * g).sum(), x)
+    gb, = torch.autograd.grad((alone * g).sum(), x)
+    assert (ga - gb).abs().max() < 1e-12
+
+
+def test_document_positions_restart():
+    assert document_positions(torch.tensor([[3, 3, 5, 5, 5, 1]])).tolist() == [[0, 1, 0, 1, 2, 0]]
+
+
+def test_fused_path_picks_flex_or_dense(monkeypatch):
+    import selfattn_nbdev.multihead as mh
+    picked = []
+    real = mh.pick_kernel
+    monkeypatch.setattr(mh, 'pick_kernel', lambda *a, **kw: picked.append(real(*a, **kw)) or picked[-1])
+    m = _module(window=3).float()
+    x = torch.randn(2, 8, 16)
+    with torch.no_grad():
+        dense = m(x)
+        with flex_mode('eager'): flex = m(x)
+    assert picked == ['dense', 'flex_eager'] and (dense - flex).abs().max() < 1e-5
+    m(x)                                               # a backward may follow: CPU has no flex backward
+    assert picked[-1] == 'dense'
+
+
+def test_pick_kernel_table():
+    assert pick_kernel('cuda', True, 2048, 2048, True, 0.0, padding_only=True, half=True) == 'varlen'
+    assert pick_kernel('cuda', True, 2048, 2048, True, 0.0, padding_only=True, half=False) == 'flex'
+    assert pick_kernel('cuda', True, 2048, 2048, True, 0.1) == 'dense'            # dropout
+    assert pick_kernel('cuda', True, 3, 2048, False, 0.0) == 'dense'              # after a cache
+    assert pick_kernel('cpu', True, 100, 100, False, 0.0) == 'dense'
+    with flex_mode('compiled'):
+        assert pick_kernel('cpu', True, 100, 100, False, 0.0) == 'flex'
+
+
+def test_mask_errors_name_the_argument():
+    m = _module()
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    with pytest.raises(TypeError, match='document_ids must be an integer tensor'):
+        m(x, document_ids=torch.zeros(2, 5))
+    with pytest.raises(ValueError, match=r'document_ids must have shape \(2, 5\)'):
+        m(x, document_ids=torch.zeros(2, 4, dtype=torch.long))
+    from selfattn_nbdev.multihead import KVCache
+    with pytest.raises(ValueError, match='document_ids cannot be combined with a cache'):
+        m(x, document_ids=torch.zeros(2, 5, dtype=torch.long), cache=KVCache())
+    q = torch.randn(5, 4)
+    with pytest.raises(TypeError, match='block_mask must be a TileMask'):
+        tiled_attention(q, q, q, block_mask='window')
+    with pytest.raises(ValueError, match='block_mask was made for'):
+        tiled_attention(q, q, q, block_mask=block_mask(causal, 6))
+    with pytest.raises(ValueError, match='needs queries'):
+        tiled_attention(q, q, q, block_mask=block_mask(key_padding(torch.zeros(2, 5, dtype=torch.bool)), 5, batch=2))
+    with pytest.raises(ValueError, match='mode must be one of'):
+        with flex_mode('fast'): pass

@@ -10,7 +10,7 @@ PIP_OPTS ?=
 INSTALLED := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help install docs test test-quick test-site bench run preview export readme hooks clean
+.PHONY: help install docs test test-quick test-slow test-site bench run preview export readme hooks clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -29,8 +29,11 @@ docs: $(INSTALLED) ## build the site into _docs/ (Quarto if on PATH, else smalld
 # what it prints), beside the checks of the generated files and tests/. Workers run torch on one thread each.
 PYTEST := $(PY) -m pytest -n auto --maxschedchunk 1
 
-test: $(INSTALLED) ## every check: notebooks (incl. slow cells), generated files, site links, tests, coverage >= 95 %
-	$(PYTEST) -q --cov=selfattn_nbdev --cov-report= --cov-fail-under=95
+test: $(INSTALLED) ## notebooks (incl. slow cells), generated files, tests, coverage >= 95 %; not the tests marked slow
+	$(PYTEST) -q -m 'not slow and not site' --cov=selfattn_nbdev --cov-report= --cov-fail-under=95
+
+test-slow: $(INSTALLED) ## the tests marked slow: torch.compile, 4 ranks, a wheel, the site's links (CI runs them too)
+	$(PYTEST) -q -m 'slow and not site'
 
 test-quick: $(INSTALLED) ## the edit loop: make test without coverage, `#| slow` cells and tests marked slow
 	$(PYTEST) -q --quick -m 'not slow and not site'

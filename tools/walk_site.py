@@ -169,9 +169,10 @@ PAGE_FACTS = """(VIEWPORT) => {
     for (const l of c.textContent.split('\\n')) { const m = l.match(/^(?:class|def)\\s+(\\w+)/); if (m) defs.push(m[1]); }
   const twice = [...new Set(defs.filter((d, i) => defs.indexOf(d) !== i))];
   // Table headers may wrap between words, never inside one ("Performanc / e").
-  const brokenHeaders = [...document.querySelectorAll('main th, #quarto-document-content th')].filter(th => {
-      const s = getComputedStyle(th); return s.overflowWrap === 'anywhere' || s.wordBreak === 'break-all'
-        || s.overflowWrap === 'break-word' && th.scrollWidth > th.clientWidth + 1; }).map(th => th.textContent.trim().slice(0, 30));
+  const breaksWords = e => { const s = getComputedStyle(e); return s.overflowWrap === 'anywhere' || s.wordBreak === 'break-all'
+      || (s.overflowWrap === 'break-word' && e.scrollWidth > e.clientWidth + 1); };
+  const brokenHeaders = [...document.querySelectorAll('main th, #quarto-document-content th')]
+    .filter(th => breaksWords(th) || [...th.querySelectorAll('*')].some(breaksWords)).map(th => th.textContent.trim().slice(0, 30));
   return {links, images, ids, math, rawMath, sidebar, scrollWidth: document.documentElement.scrollWidth,
           innerWidth: window.innerWidth, title: document.title, cutOff, clipped, widest, pageNav, wideMath, twice, mathSource, brokenHeaders};
 }"""

@@ -32,7 +32,7 @@ def _cell(text) -> str: return html.escape(str(text or '')).replace('|', '\\|').
 
 
 def _table(fn, title: str) -> str:
-    "A Markdown table of `fn`'s parameters and return value; '' when it takes none and documents none."
+    "A Markdown table of `fn`'s parameters and return value; '' when it documents none of them."
     try: docs = docments(fn, full=True)
     except (TypeError, ValueError): return ''
     rows = []
@@ -41,7 +41,7 @@ def _table(fn, title: str) -> str:
         kind = '**returns**' if name == 'return' else f'`{name}`'
         typ = _type_name(p.get('anno', inspect.Parameter.empty))
         rows.append(f"| {kind} | {f'`{typ}`' if typ else ''} | {_default(p)} | {_cell(p.get('docment'))} |")
-    if not rows: return ''
+    if not rows or not any(p.get('docment') for n, p in docs.items() if n not in ('self', 'cls')): return ''
     return f"| {title} | type | default | |\n|:--|:--|:--|:--|\n" + '\n'.join(rows)
 
 

@@ -11,7 +11,7 @@ import numbers
 import torch
 from torch import Tensor
 
-from .core import check_flag, check_range, check_size
+from .core import check_count, check_flag, check_range, check_size
 from .causal import causal_mask
 
 # %% ../nbs/09_modern.ipynb #bad67fae
@@ -47,6 +47,7 @@ def window_mask(
     num_keys:int|None=None, # number of keys, when earlier ones are cached
 ) -> Tensor: # bool (num_tokens, num_keys): True where the key is out of reach
     "The causal mask of a sliding window: `True` for the future and for keys too old."
+    check_count(num_tokens, 'num_tokens'); check_size(window, 'window')
     from selfattn_nbdev.masks import dense_mask, sliding_window
     # allowed: key j <= query i and i - j < window; hidden: the rest
     allowed = dense_mask(sliding_window(window), num_tokens, num_keys, device=device)

@@ -170,17 +170,18 @@ class MultiHeadAttention(nn.Module):
                     ) -> Tensor: # (b, heads, num_tokens, head_dim)
         "Cut the last axis into pieces of `head_dim`, one per head; heads get an axis."
         b, num_tokens, _ = t.shape
-        t = t.view(b, num_tokens, -1, self.head_dim)  # (b, T, heads, hd)
+        heads = t.shape[-1] // self.head_dim          # not -1: a view of 0 tokens
+        t = t.view(b, num_tokens, heads, self.head_dim)  # (b, T, heads, hd)
         return t.transpose(1, 2)                      # (b, heads, T, hd)
 
     def _merge_heads(self,
                      context:Tensor, # per head: (b, num_heads, num_tokens, head_dim)
                     ) -> Tensor: # (b, num_tokens, d_out), the heads side by side
         "Undo `_split_heads`: concatenate the heads of each token again."
-        b, _, num_tokens, _ = context.shape
+        b, heads, num_tokens, head_dim = context.shape
         context = context.transpose(1, 2)                   # (b, T, heads, head_dim)
-        # -1, not d_out: a rank of a tensor-parallel run holds only some of the heads
-        return context.reshape(b, num_tokens, -1)           # (b, T, heads * hd)
+        # heads * hd, not d_out: a tensor-parallel rank holds only some of the heads
+        return context.reshape(b, num_tokens, heads * head_dim)  # (b, T, heads * hd)
 
     def _rope_table(self,
                     num_positions:int, # positions needed: 0 .. num_positions - 1
@@ -279,6 +280,7 @@ class MultiHeadAttention(nn.Module):
         "Project `x`, split into heads, attend, merge the heads, mix them (out_proj)."
         weight = self.W_query.weight
         check_tokens(x, self.d_in, weight.dtype, weight.device)
+        check_flag(return_attn_weights, 'return_attn_weights')
         _check_padding_mask(key_padding_mask, x); _check_document_ids(document_ids, x)
         unbatched = x.dim() == 2
         if unbatched:  # one sequence: add a batch axis of 1, removed at the end

@@ -10,7 +10,6 @@ import math
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from .core import check_flag, check_size
 from .masks import EMPTY, FULL, PARTIAL, TileMask, block_mask
@@ -36,6 +35,10 @@ def online_softmax(
 ) -> Tensor: # weights (..., num_keys), those of torch.softmax(attn_scores, dim=-1)
     "Softmax over the last axis from one pass over the keys, `block_size` at a time."
     check_size(block_size, 'block_size')
+    if not isinstance(attn_scores, Tensor) or not attn_scores.is_floating_point():
+        given = getattr(attn_scores, 'dtype', type(attn_scores).__name__)
+        raise TypeError(f"attn_scores must be a floating-point tensor (..., num_keys); "
+                        f"got {given}")
     m = attn_scores.new_full(attn_scores.shape[:-1] + (1,), -math.inf)  # (..., 1)
     l = torch.zeros_like(m)                                             # (..., 1)
     for k0 in range(0, attn_scores.shape[-1], block_size):
@@ -178,9 +181,13 @@ class _TiledAttention(torch.autograd.Function):
         return context_vecs
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_context):
         "Gradients of queries, keys and values; none for the other arguments."
+        if torch.is_grad_enabled():  # create_graph=True: a gradient of this gradient
+            raise RuntimeError(
+                "tiled_attention's backward runs tile by tile and cannot be "
+                "differentiated again: create_graph=True (second-order gradients) is "
+                "not supported; use F.scaled_dot_product_attention for those")
         grads = _tiled_backward(grad_context, *ctx.saved_tensors, ctx.causal,
                                 ctx.block_size, ctx.block_mask)
         return *grads, None, None, None

@@ -17,7 +17,7 @@ from selfattn_nbdev import (CausalAttention, KVCache, MultiHeadAttention, MultiH
 from selfattn_nbdev.explorer import AttentionExplorer, reference_module
 from selfattn_nbdev.generation import CharTokenizer, TinyGPT, TransformerBlock, generate, train_tiny_gpt
 from selfattn_nbdev.modern import check_kv_heads, check_rope, check_window
-from selfattn_nbdev.tiled import tiled_attention
+from selfattn_nbdev.tiled import online_softmax, tiled_attention
 from selfattn_nbdev.training import (VOCAB, BankSenseClassifier, accuracy, check_labels, check_sentences,
                                      make_bank_sentences, train_classifier)
 
@@ -29,6 +29,12 @@ IDS, LABELS, POS = make_bank_sentences(6, seed=0)
 CLF = BankSenseClassifier()
 EXPLORER = AttentionExplorer(['a', 'b'], torch.eye(2), torch.eye(2), torch.eye(2), torch.eye(2))
 Q = torch.randn(1, 2, 6, 4)                   # (batch, heads, T, head_dim)
+
+def _second_order_through_tiled():
+    q = torch.randn(1, 1, 4, 8, dtype=torch.float64, requires_grad=True)
+    grad, = torch.autograd.grad(tiled_attention(q, q, q).sum(), q, create_graph=True)
+    grad.sum().backward()
+
 
 CASES = {
     # --- the shared checks
@@ -128,6 +134,8 @@ CASES = {
     'MHA qkv_bias flag': (lambda: MultiHeadAttention(4, 8, 8, qkv_bias='no'), TypeError, ['qkv_bias', "'no'"]),
     'MHA out_bias flag': (lambda: MultiHeadAttention(4, 8, 8, out_bias=None), TypeError, ['out_bias', 'None']),
     'MHA dropout': (lambda: MultiHeadAttention(4, 8, 8, dropout=-0.2), ValueError, ['dropout', '-0.2']),
+    'MHA flag': (lambda: MultiHeadAttention(4, 8, 8)(X, return_attn_weights='False'), TypeError,
+                 ['return_attn_weights', "'False'"]),
     'MHA x d_in': (lambda: MultiHeadAttention(4, 8, 8)(torch.ones(2, 5, 3)), ValueError, ['d_in=4', '(2, 5, 3)']),
     'MHA x too long': (lambda: MultiHeadAttention(4, 8, 4)(X), ValueError, ['context_length=4', '5']),
     'MHA padding dtype': (lambda: MultiHeadAttention(4, 8, 8)(X, key_padding_mask=torch.zeros(2, 5)), TypeError,
@@ -148,6 +156,7 @@ CASES = {
     'repeat_kv float': (lambda: repeat_kv(Q, 2.0), ValueError, ['group_size', '2.0']),
     'repeat_kv 3-D': (lambda: repeat_kv(Q[0], 2), ValueError, ['t', '(batch, num_kv_heads', '[2, 6, 4]']),
     'repeat_kv list': (lambda: repeat_kv([1, 2], 2), ValueError, ['t', 'list']),
+    'window_mask negative tokens': (lambda: window_mask(-2, 3), ValueError, ['num_tokens', '-2']),
     'window_mask zero': (lambda: window_mask(4, 0), ValueError, ['window', '0']),
     'rope_angles base negative': (lambda: rope_angles(torch.arange(4), 4, base=-10), ValueError, ['base', '-10']),
     'rope_angles base one': (lambda: rope_angles(torch.arange(4), 4, base=1), ValueError, ['base', 'got 1']),
@@ -168,6 +177,10 @@ CASES = {
     'tiled block_size': (lambda: tiled_attention(Q, Q, Q, block_size=0), ValueError, ['block_size', '0']),
     'tiled causal flag': (lambda: tiled_attention(Q, Q, Q, causal='True'), TypeError, ['causal', "'True'"]),
     'tiled head_dim': (lambda: tiled_attention(Q, Q[..., :3], Q), ValueError, ['keys']),
+    'online_softmax int': (lambda: online_softmax(torch.ones(3, dtype=torch.long)), TypeError,
+                           ['attn_scores', 'int64']),
+    'online_softmax block': (lambda: online_softmax(torch.ones(3), block_size=0), ValueError, ['block_size', '0']),
+    'tiled second order': (lambda: _second_order_through_tiled(), RuntimeError, ['create_graph=True', 'second-order']),
     # --- watching attention learn
     'make_bank n': (lambda: make_bank_sentences(0, seed=0), ValueError, ['n', '0']),
     'make_bank length': (lambda: make_bank_sentences(3, seed=0, num_tokens=1), ValueError, ['num_tokens', '1']),
@@ -288,6 +301,19 @@ def test_empty_inputs_give_empty_results_on_the_single_head_modules():
     for module in [SelfAttention(4, 3), SelfAttentionV1(4, 3), SelfAttentionV2(4, 3), CausalAttention(4, 3, 8)]:
         assert module(torch.ones(0, 4)).shape == (0, 3)
         assert module(torch.ones(0, 5, 4)).shape == (0, 5, 3)
+
+
+@pytest.mark.parametrize('options', [{}, {'num_kv_heads': 1, 'window': 3, 'rope': True}, {'causal': False}],
+                         ids=['plain', 'gqa-window-rope', 'bidirectional'])
+def test_empty_inputs_give_empty_results_on_multihead_attention(options):
+    m = MultiHeadAttention(8, 8, 16, num_heads=2, **options)
+    for shape in [(2, 0, 8), (0, 5, 8), (0, 8)]:
+        x = torch.randn(shape)
+        fused, (explicit, weights) = m(x), m(x, return_attn_weights=True)
+        assert fused.shape == explicit.shape == shape and weights.numel() == 0
+        if len(shape) == 3:
+            padded = m(x, key_padding_mask=torch.zeros(shape[:2], dtype=torch.bool))
+            assert padded.shape == shape
 
 
 def test_leaks_future_runs_the_module_in_eval_mode_and_restores_its_mode():

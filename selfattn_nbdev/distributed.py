@@ -107,6 +107,9 @@ def check_tp_degree(
     degree:int, # the number of ranks to split it over
 ) -> None:
     "Raise a clear error unless every rank can get whole query and key/value heads."
+    if not isinstance(module, MultiHeadAttention):
+        raise TypeError(f"module must be a MultiHeadAttention; "
+                        f"got {type(module).__name__}")
     check_size(degree, 'degree')
     for name in ('num_heads', 'num_kv_heads'):
         heads = getattr(module, name)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .core import check_size
+from .core import check_count, check_size
 
 # %% ../nbs/10_masks.ipynb #m19c0007
 def causal(b, h, q_idx, kv_idx):
@@ -33,6 +33,31 @@ def sliding_window(
     def window_mod(b, h, q_idx, kv_idx):
         return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
     return window_mod
+
+# %% ../nbs/10_masks.ipynb #c65dba25
+def _check_integers(
+    t, # the tensor given
+    name:str, # how the message calls it
+    dims:int=1, # its number of dimensions
+) -> None:
+    "An integer tensor of `dims` dimensions, no value negative (read on CPU only)."
+    if not isinstance(t, Tensor) or t.is_floating_point() or t.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor; got "
+                        f"{getattr(t, 'dtype', type(t).__name__)}")
+    if t.dim() != dims:
+        raise ValueError(f"{name} must have {dims} dimension(s); got {tuple(t.shape)}")
+    if t.device.type == 'cpu' and t.numel() and t.min() < 0:  # no GPU sync per call
+        raise ValueError(f"{name} must be >= 0; got {t.min().item()}")
+
+
+def _check_mask_mods(
+    mask_mods:tuple, # the predicates given
+    name:str, # the function that was given them
+) -> None:
+    "At least one predicate, each a function of (b, h, q_idx, kv_idx)."
+    if not mask_mods or not all(callable(m) for m in mask_mods):
+        raise TypeError(f"{name} needs predicates (b, h, q_idx, kv_idx) -> bool; got "
+                        f"{[type(m).__name__ for m in mask_mods]}")
 
 # %% ../nbs/10_masks.ipynb #m19c0010
 def key_padding(
@@ -49,12 +74,14 @@ def key_padding(
                             f"got dtype {padding.dtype}")
         real = ~padding
         return lambda b, h, q_idx, kv_idx: real[b, kv_idx]
+    _check_integers(padding, 'padding (lengths)')
     return lambda b, h, q_idx, kv_idx: kv_idx < padding[b]  # lengths: the first ones
 
 def documents(
     document_ids:Tensor, # int (batch, num_tokens): the document of every token
 ) -> Callable: # the predicate: query and key belong to the same document
     "Packed sequences: a token attends only within its own document."
+    _check_integers(document_ids, 'document_ids', dims=2)
     return lambda b, h, q_idx, kv_idx: document_ids[b, q_idx] == document_ids[b, kv_idx]
 
 # %% ../nbs/10_masks.ipynb #m19c0013
@@ -62,6 +89,7 @@ def document_positions(
     document_ids:Tensor, # int (batch, num_tokens), each document a run of equal ids
 ) -> Tensor: # int (batch, num_tokens): the position of each token in its document
     "Positions that start again at 0 where a new document starts."
+    _check_integers(document_ids, 'document_ids', dims=2)
     idx = torch.arange(document_ids.shape[-1], device=document_ids.device)  # (T,)
     starts = F.pad(document_ids[..., 1:] != document_ids[..., :-1], (1, 0), value=True)
     first = torch.where(starts, idx, 0).cummax(-1).values  # where its document starts
@@ -70,6 +98,7 @@ def document_positions(
 # %% ../nbs/10_masks.ipynb #m19c0016
 def and_masks(*mask_mods:Callable) -> Callable:
     "Attend where every predicate allows it."
+    _check_mask_mods(mask_mods, 'and_masks')
     def both(b, h, q_idx, kv_idx):
         allowed = mask_mods[0](b, h, q_idx, kv_idx)
         for mask_mod in mask_mods[1:]: allowed = allowed & mask_mod(b, h, q_idx, kv_idx)
@@ -78,6 +107,7 @@ def and_masks(*mask_mods:Callable) -> Callable:
 
 def or_masks(*mask_mods:Callable) -> Callable:
     "Attend where any predicate allows it."
+    _check_mask_mods(mask_mods, 'or_masks')
     def either(b, h, q_idx, kv_idx):
         allowed = mask_mods[0](b, h, q_idx, kv_idx)
         for mask_mod in mask_mods[1:]: allowed = allowed | mask_mod(b, h, q_idx, kv_idx)
@@ -109,7 +139,10 @@ def dense_mask(
     q_offset:int|None=None, # position of the first query (default: the last ones)
 ) -> Tensor: # bool (batch | 1, heads | 1, num_tokens, num_keys), True = attend
     "The (T, S) mask of a predicate: it is asked about every (query, key) pair."
+    _check_mask_mods((mask_mod,), 'dense_mask'); check_count(num_tokens, 'num_tokens')
     num_keys = num_tokens if num_keys is None else num_keys
+    check_count(num_keys, 'num_keys'); check_count(batch, 'batch')
+    check_size(heads, 'heads')
     q_offset = num_keys - num_tokens if q_offset is None else q_offset
     q_idx = torch.arange(q_offset, q_offset + num_tokens, device=device)  # (T,)
     return _ask(mask_mod, q_idx, torch.arange(num_keys, device=device), batch, heads)

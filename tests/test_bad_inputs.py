@@ -14,6 +14,8 @@ from selfattn_nbdev import (CausalAttention, KVCache, MultiHeadAttention, MultiH
                             check_dropout, check_flag, check_heads, check_range, check_size, check_token_ids,
                             check_tokens, leaks_future, package_attention, repeat_kv, rope_angles, simple_attention,
                             softmax_stable, to_torch_multihead, window_mask)
+import selfattn_nbdev.distributed as D
+import selfattn_nbdev.masks as M
 from selfattn_nbdev.explorer import AttentionExplorer, reference_module
 from selfattn_nbdev.generation import CharTokenizer, TinyGPT, TransformerBlock, generate, train_tiny_gpt
 from selfattn_nbdev.modern import check_kv_heads, check_rope, check_window
@@ -181,6 +183,37 @@ CASES = {
                            ['attn_scores', 'int64']),
     'online_softmax block': (lambda: online_softmax(torch.ones(3), block_size=0), ValueError, ['block_size', '0']),
     'tiled second order': (lambda: _second_order_through_tiled(), RuntimeError, ['create_graph=True', 'second-order']),
+    # --- masks as functions
+    'sliding_window zero': (lambda: M.sliding_window(0), ValueError, ['window', '0']),
+    'sliding_window float': (lambda: M.sliding_window(2.5), ValueError, ['window', '2.5']),
+    'key_padding float mask': (lambda: M.key_padding(torch.zeros(2, 3)), TypeError, ['padding', 'float32']),
+    'key_padding negative length': (lambda: M.key_padding(torch.tensor([-1, 2])), ValueError, ['padding', '-1']),
+    'key_padding list': (lambda: M.key_padding([3, 2]), TypeError, ['padding', 'list']),
+    'documents float': (lambda: M.documents(torch.zeros(2, 3)), TypeError, ['document_ids', 'float32']),
+    'documents 1-D': (lambda: M.documents(torch.zeros(3, dtype=torch.long)), ValueError, ['document_ids', '(3,)']),
+    'documents negative': (lambda: M.documents(torch.tensor([[0, -1]])), ValueError, ['document_ids', '-1']),
+    'document_positions float': (lambda: M.document_positions(torch.zeros(1, 3)), TypeError,
+                                 ['document_ids', 'float32']),
+    'and_masks none': (lambda: M.and_masks(), TypeError, ['and_masks', 'got []']),
+    'or_masks str': (lambda: M.or_masks('causal'), TypeError, ['or_masks', "['str']"]),
+    'dense_mask not a predicate': (lambda: M.dense_mask('causal', 3), TypeError, ['dense_mask', "['str']"]),
+    'dense_mask negative': (lambda: M.dense_mask(M.causal, -1), ValueError, ['num_tokens', '-1']),
+    'dense_mask batch': (lambda: M.dense_mask(M.causal, 3, batch=-1), ValueError, ['batch', '-1']),
+    'block_mask block': (lambda: M.block_mask(M.causal, 8, block_size=0), ValueError, ['block_size', '0']),
+    'MHA document ids float': (lambda: MultiHeadAttention(4, 8, 8)(X, document_ids=torch.zeros(2, 5)), TypeError,
+                               ['document_ids', 'float32']),
+    # --- attention across devices
+    'tp_plan not attention': (lambda: D.tp_plan(nn.Linear(2, 2)), TypeError, ['MultiHeadAttention', 'Linear']),
+    'check_tp_degree module': (lambda: D.check_tp_degree(nn.Linear(2, 2), 2), TypeError, ['module', 'Linear']),
+    'check_tp_degree heads': (lambda: D.check_tp_degree(MultiHeadAttention(8, 8, 8, num_heads=2), 4), ValueError,
+                              ['num_heads=2', 'degree=4']),
+    'check_tp_degree kv heads': (lambda: D.check_tp_degree(MultiHeadAttention(8, 8, 8, num_heads=4, num_kv_heads=2),
+                                                           4), ValueError, ['num_kv_heads=2', 'degree=4']),
+    'check_tp_degree zero': (lambda: D.check_tp_degree(MultiHeadAttention(8, 8, 8), 0), ValueError, ['degree', '0']),
+    'run_ranks world_size': (lambda: D.run_ranks(print, 0), ValueError, ['world_size', '0']),
+    'sequence_chunks order': (lambda: D.sequence_chunks(0, 2, order='bad'), ValueError, ['order', "'bad'"]),
+    'shard_sequence length': (lambda: D.shard_sequence(torch.zeros(1, 1, 8, 2), 0, 3), ValueError,
+                              ['num_tokens=8', '6']),
     # --- watching attention learn
     'make_bank n': (lambda: make_bank_sentences(0, seed=0), ValueError, ['n', '0']),
     'make_bank length': (lambda: make_bank_sentences(3, seed=0, num_tokens=1), ValueError, ['num_tokens', '1']),

@@ -43,7 +43,7 @@ class GPT2(TinyGPT):
                            for _ in range(num_layers))
         self.norm.eps = norm_eps
         self.head = nn.Linear(d_model, vocab_size, bias=False)
-        self.head.weight = self.token_emb.weight  # tied: one table reads and writes tokens
+        self.head.weight = self.token_emb.weight  # tied: one table reads, one writes
 
 # %% ../nbs/11_pretrained.ipynb #befdcf95
 class SwiGLU(nn.Module):
@@ -117,7 +117,7 @@ class Llama(TinyGPT):
 
 # %% ../nbs/11_pretrained.ipynb #4cb5ce3a
 def gpt2_weight_map(num_layers:int) -> list: # (hf_name, our names, transpose)
-    "Where every tensor of a Hugging Face GPT-2 goes in `GPT2`: names, split, transpose."
+    "Where each tensor of a Hugging Face GPT-2 goes in `GPT2`: names, split, transpose."
     table = [("wte.weight", ("token_emb.weight",), False),
              ("wpe.weight", ("pos_emb.weight",), False)]
     for i in range(num_layers):

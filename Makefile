@@ -41,13 +41,14 @@ test-quick: $(INSTALLED) ## the edit loop: make test without coverage, `#| slow`
 test-site: $(INSTALLED) ## build the site, serve it on 127.0.0.1 and walk every page in headless Chromium
 	$(PY) -m pytest -m site -s -q
 
-bench: $(INSTALLED) ## time the attention paths against PyTorch's, generation with/without the KV cache, the tiny GPT with GQA/window/RoPE, tiled memory (~20 min)
+bench: $(INSTALLED) ## time the attention paths against PyTorch's, generation, GQA/window/RoPE, tiled and masked memory, GPT-2/Llama against transformers (~25 min)
 	$(PY) bench/benchmark.py
 	$(PY) bench/generation.py
 	$(PY) bench/modern.py
 	$(PY) bench/memory_tiled.py
 	$(PY) bench/masks.py
-	$(call run_nbs,nbs/08_tiled.ipynb nbs/09_modern.ipynb nbs/07_performance.ipynb)
+	$(PY) bench/pretrained.py
+	$(call run_nbs,nbs/08_tiled.ipynb nbs/09_modern.ipynb nbs/07_performance.ipynb nbs/10_pretrained.ipynb nbs/11_masks.ipynb)
 
 # Run notebooks top to bottom from their own folder with nbdev's engine (execnb's exec_nb), stopping at the first
 # cell that raises, and save them with their fresh outputs, cleaned.

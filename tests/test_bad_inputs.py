@@ -16,6 +16,7 @@ from selfattn_nbdev import (CausalAttention, KVCache, MultiHeadAttention, MultiH
                             softmax_stable, to_torch_multihead, window_mask)
 import selfattn_nbdev.distributed as D
 import selfattn_nbdev.masks as M
+import selfattn_nbdev.pretrained as P
 from selfattn_nbdev.explorer import AttentionExplorer, reference_module
 from selfattn_nbdev.generation import CharTokenizer, TinyGPT, TransformerBlock, generate, train_tiny_gpt
 from selfattn_nbdev.modern import check_kv_heads, check_rope, check_window
@@ -31,6 +32,19 @@ IDS, LABELS, POS = make_bank_sentences(6, seed=0)
 CLF = BankSenseClassifier()
 EXPLORER = AttentionExplorer(['a', 'b'], torch.eye(2), torch.eye(2), torch.eye(2), torch.eye(2))
 Q = torch.randn(1, 2, 6, 4)                   # (batch, heads, T, head_dim)
+
+GPT2_CFG = dict(n_embd=8, n_head=2, n_layer=1, vocab_size=10, n_positions=8)
+LLAMA_CFG = dict(hidden_size=8, num_attention_heads=2, num_hidden_layers=1, vocab_size=10, intermediate_size=16,
+                 max_position_embeddings=8)
+
+
+def _bad_gpt2_state():
+    "A GPT-2 state dict in Hugging Face's names whose token table has 3 rows, not 10."
+    from transformers import GPT2Config, GPT2LMHeadModel
+    state = GPT2LMHeadModel(GPT2Config(**GPT2_CFG)).state_dict()
+    state['transformer.wte.weight'] = torch.zeros(3, 8)
+    return state
+
 
 def _second_order_through_tiled():
     q = torch.randn(1, 1, 4, 8, dtype=torch.float64, requires_grad=True)
@@ -214,6 +228,33 @@ CASES = {
     'sequence_chunks order': (lambda: D.sequence_chunks(0, 2, order='bad'), ValueError, ['order', "'bad'"]),
     'shard_sequence length': (lambda: D.shard_sequence(torch.zeros(1, 1, 8, 2), 0, 3), ValueError,
                               ['num_tokens=8', '6']),
+    # --- the attention inside GPT-2 and Llama
+    'GPT2 layers': (lambda: P.GPT2(num_layers=0), ValueError, ['num_layers', '0']),
+    'Llama kv heads': (lambda: P.Llama(10, 8, 8, 4, 1, num_kv_heads=3), ValueError, ['num_kv_heads=3']),
+    'gpt2_weight_map layers': (lambda: P.gpt2_weight_map(-1), ValueError, ['num_layers', '-1']),
+    'llama_weight_map layers': (lambda: P.llama_weight_map(0), ValueError, ['num_layers', '0']),
+    'gpt2_config not a dict': (lambda: P.gpt2_config('gpt2'), TypeError, ['config', 'str']),
+    'gpt2_config missing': (lambda: P.gpt2_config({}), KeyError, ['n_embd']),
+    'gpt2_config n_inner': (lambda: P.gpt2_config(dict(GPT2_CFG, n_inner=7)), ValueError, ['n_inner=7']),
+    'gpt2_from_hf heads': (lambda: P.gpt2_from_hf({}, dict(GPT2_CFG, n_head=3)), ValueError, ['num_heads=3']),
+    'gpt2_from_hf empty': (lambda: P.gpt2_from_hf({}, GPT2_CFG), KeyError, ['wte.weight']),
+    'llama_config rope_scaling': (lambda: P.llama_config(dict(LLAMA_CFG, rope_scaling={'rope_type': 'llama3'})),
+                                  ValueError, ['rope_scaling', 'llama3']),
+    'llama_config activation': (lambda: P.llama_config(dict(LLAMA_CFG, hidden_act='gelu')), ValueError,
+                                ["hidden_act='gelu'"]),
+    'llama_config bias': (lambda: P.llama_config(dict(LLAMA_CFG, attention_bias=True)), ValueError,
+                          ['attention_bias=True']),
+    'llama_from_hf empty': (lambda: P.llama_from_hf({}, LLAMA_CFG), KeyError, ['embed_tokens.weight']),
+    'gpt2_from_hf shape': (lambda: P.gpt2_from_hf(_bad_gpt2_state(), GPT2_CFG), ValueError, ['wte.weight', '(3, 8)']),
+    'from_torch_multihead kdim': (lambda: P.from_torch_multihead(nn.MultiheadAttention(8, 2, kdim=4, vdim=4), 8),
+                                  ValueError, ['kdim']),
+    'from_torch_multihead bias_kv': (lambda: P.from_torch_multihead(nn.MultiheadAttention(8, 2, add_bias_kv=True), 8),
+                                     ValueError, ['add_bias_kv']),
+    'from_torch_multihead module': (lambda: P.from_torch_multihead(nn.Linear(2, 2), 8), TypeError, ['ref', 'Linear']),
+    'from_torch_multihead context': (lambda: P.from_torch_multihead(nn.MultiheadAttention(8, 2), 0), ValueError,
+                                     ['context_length', '0']),
+    'from_torch_multihead causal': (lambda: P.from_torch_multihead(nn.MultiheadAttention(8, 2), 8, causal='no'),
+                                    TypeError, ['causal', "'no'"]),
     # --- watching attention learn
     'make_bank n': (lambda: make_bank_sentences(0, seed=0), ValueError, ['n', '0']),
     'make_bank length': (lambda: make_bank_sentences(3, seed=0, num_tokens=1), ValueError, ['num_tokens', '1']),

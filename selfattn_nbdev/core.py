@@ -106,7 +106,9 @@ def check_token_ids(
     if token_ids.dim() not in dims:
         raise ValueError(f"{name} must have shape {shapes}; "
                          f"got {tuple(token_ids.shape)}")
-    if token_ids.device.type == "cpu" and token_ids.numel():  # no GPU sync per call
+    # values are read on CPU only (no GPU sync per call), and not inside torch.compile
+    if (token_ids.device.type == "cpu" and token_ids.numel()
+            and not torch.compiler.is_compiling()):
         low, high = token_ids.min().item(), token_ids.max().item()
         if low < 0 or high >= vocab_size:
             raise ValueError(f"{name} must be in [0, {vocab_size}); "

@@ -7,6 +7,7 @@ __all__ = ['check_heads', 'MultiHeadAttentionWrapper', 'MultiHeadAttention', 'to
 
 # %% ../nbs/04_multihead.ipynb #3c5fb0e9
 import math
+import weakref
 from functools import partial
 
 import torch
@@ -218,12 +219,15 @@ class MultiHeadAttention(nn.Module):
                          values:Tensor,  # (b, num_kv_heads, num_keys, head_dim)
                          key_padding_mask:Tensor|None, # bool (b, num_tokens) or None
                          document_ids:Tensor|None=None, # int (b, num_tokens) or None
+                         allowed:Tensor|None=None, # a cache's mask (b, 1, T, keys)
                         ) -> tuple: # context(b, heads, T, hd), weights(b, heads, T, T)
         "Scores, mask, softmax, dropout, weighted sum: all heads at once, step by step."
         group_size = self.num_heads // self.num_kv_heads
         keys, values = repeat_kv(keys, group_size), repeat_kv(values, group_size)
-        blocked, dead = self._masks(queries.shape[2], key_padding_mask, keys.shape[2],
-                                    document_ids)
+        if allowed is None:
+            blocked, dead = self._masks(queries.shape[2], key_padding_mask,
+                                        keys.shape[2], document_ids)
+        else: blocked, dead = ~allowed, None  # a static cache: every row sees itself
         attn_scores = queries @ keys.transpose(2, 3)  # (b, heads, T, T_keys)
         if blocked is not None:
             attn_scores = attn_scores.masked_fill(blocked, -torch.inf)
@@ -239,12 +243,15 @@ class MultiHeadAttention(nn.Module):
                       values:Tensor,  # (b, num_kv_heads, num_keys, head_dim)
                       key_padding_mask:Tensor|None, # bool (b, num_tokens) or None
                       document_ids:Tensor|None=None, # int (b, num_tokens) or None
+                      allowed:Tensor|None=None, # a cache's mask (b, 1, T, keys)
                      ) -> Tensor: # context, (b, num_heads, num_tokens, head_dim)
         "The same with the fastest kernel for the mask (`pick_kernel`); no weights."
         dropout_p = self.dropout.p if self.training else 0.0
         kernel = partial(F.scaled_dot_product_attention,  # GQA: the kernel repeats k, v
                          dropout_p=dropout_p,
                          enable_gqa=self.num_kv_heads != self.num_heads)
+        if allowed is not None:  # a static cache: the same shapes at every step
+            return kernel(queries, keys, values, attn_mask=allowed)
         num_tokens, num_keys = queries.shape[2], keys.shape[2]
         in_reach = self.window is None or num_keys <= self.window  # no key too old
         sees_all = not self.causal or (num_tokens == 1 and in_reach)  # 1 new token
@@ -288,7 +295,7 @@ class MultiHeadAttention(nn.Module):
             if key_padding_mask is not None: key_padding_mask = key_padding_mask[None]
             if document_ids is not None: document_ids = document_ids[None]
         if cache is None: check_context(x.shape[1], self.context_length)
-        else: cache.check_new_tokens(x, key_padding_mask, self.context_length)
+        else: cache.check_new_tokens(x, key_padding_mask, self)
         if cache is not None and document_ids is not None:
             raise ValueError("document_ids cannot be combined with a cache; "
                              "generate each document on its own")
@@ -298,22 +305,25 @@ class MultiHeadAttention(nn.Module):
         keys = self._split_heads(self.W_key(x))            # (b, kv_heads, T, hd)
         values = self._split_heads(self.W_value(x))        # (b, kv_heads, T, hd)
         if self.rope:  # turn each query and key by the angle of its position
-            seen = 0 if cache is None else cache.num_seen
-            cos, sin = self._rope_table(seen + x.shape[1], queries)  # (positions, hd)
-            if document_ids is None:
-                cos, sin = cos[seen:seen + x.shape[1]], sin[seen:seen + x.shape[1]]
-            else:  # positions restart at 0 with every document
+            cos, sin = self._rope_table(self.context_length, queries)  # (positions, hd)
+            if cache is not None:  # where the new tokens stand: (b | 1, T)
+                positions = cache.positions(x.shape[1], x.device)
+            elif document_ids is not None:  # restarting at 0 with every document
                 positions = document_positions(document_ids)         # (b, T)
-                cos, sin = cos[positions][:, None], sin[positions][:, None]  # b,1,T,hd
+            else: positions = None
+            if positions is None: cos, sin = cos[:x.shape[1]], sin[:x.shape[1]]
+            else:  # (b | 1, 1, T, hd)
+                cos, sin = cos[positions][:, None], sin[positions][:, None]
             queries, keys = rope_rotate(queries, cos, sin), rope_rotate(keys, cos, sin)
-        if cache is not None:  # tokens in reach: (b, kv, kept + T, hd)
-            keys, values = cache.append(keys, values, self.window)
+        allowed = None  # None: the mask follows from the shapes
+        if cache is not None:  # the keys in reach (b, kv, keys, hd), and which to see
+            keys, values, allowed = cache.update(keys, values, self.window)
         if return_attn_weights:
             context, attn_weights = self._attend_explicit(
-                queries, keys, values, key_padding_mask, document_ids)
+                queries, keys, values, key_padding_mask, document_ids, allowed)
         else:
             context = self._attend_fused(queries, keys, values, key_padding_mask,
-                                         document_ids)
+                                         document_ids, allowed)
         out = self.out_proj(self._merge_heads(context))    # (b, num_tokens, d_out)
         if unbatched: out = out.squeeze(0)
         if not return_attn_weights: return out
@@ -371,6 +381,7 @@ class KVCache:
         self._keys = self._values = None  # storage, (b, kv_heads, capacity, head_dim)
         self._start = self._end = 0       # the cached tokens: storage[:, :, start:end]
         self.num_seen = 0                 # tokens appended since the last reset
+        self._owner = None                # the module writing to it, weakly held
 
     def __len__(self) -> int:
         "The number of tokens cached (fewer than seen, with a sliding window)."
@@ -387,15 +398,28 @@ class KVCache:
         if self._values is None: return None
         return self._values[:, :, self._start:self._end]
 
+    def claim(self,
+              module:nn.Module, # the attention module about to write to the cache
+             ) -> None:
+        "One cache, one module: a second module's keys would mix with the first's."
+        owner = None if self._owner is None else self._owner()
+        if owner is not None and owner is not module:
+            raise ValueError(f"this cache holds the keys of another module; give every "
+                             f"attention module its own (model.new_caches()), or "
+                             f"cache.reset() to reuse it")
+        self._owner = weakref.ref(module)
+
     def check_new_tokens(self,
                          x:Tensor, # the new tokens, (b, num_tokens, d_in)
                          key_padding_mask:Tensor|None, # must be None with a cache
-                         context_length:int, # the module's longest sequence
+                         module:nn.Module, # the module that calls: its context_length
                         ) -> None:
         "Raise a clear error unless the tokens of `x` can follow the cached ones."
         if key_padding_mask is not None:
             raise ValueError("key_padding_mask cannot be combined with a cache; "
                              "generate the sequences of a batch in step instead")
+        self.claim(module)
+        context_length = module.context_length
         batch = None if self.keys is None else self.keys.shape[0]
         if batch is not None and x.shape[0] != batch:
             raise ValueError(f"the cache holds a batch of {batch} sequences; got x "
@@ -438,5 +462,20 @@ class KVCache:
         if window is not None:  # the next token sees only the window - 1 before it
             self._start = max(self._start, self._end - (window - 1))
         return in_reach
+
+    def positions(self,
+                  num_new:int, # tokens about to be added
+                  device=None, # where the positions go
+                 ) -> Tensor: # (1, num_new): the position of each new token
+        "Where the new tokens stand in the sequence: after the ones seen."
+        return torch.arange(self.num_seen, self.num_seen + num_new, device=device)[None]
+
+    def update(self,
+               keys:Tensor,   # the new tokens' keys, (b, num_kv_heads, num_tokens, hd)
+               values:Tensor, # their values, the same shape
+               window:int|None=None, # keep only what a window this wide can see
+              ) -> tuple: # keys, values in reach, and None: the mask follows the shapes
+        "What `MultiHeadAttention` calls: `append`, and no mask of the cache's own."
+        return *self.append(keys, values, window), None
 
     def __repr__(self): return f"KVCache({len(self)} tokens)"

@@ -18,7 +18,8 @@ import selfattn_nbdev.distributed as D
 import selfattn_nbdev.masks as M
 import selfattn_nbdev.pretrained as P
 from selfattn_nbdev.explorer import AttentionExplorer, reference_module
-from selfattn_nbdev.generation import CharTokenizer, TinyGPT, TransformerBlock, generate, train_tiny_gpt
+from selfattn_nbdev.generation import (CharTokenizer, StaticKVCache, TinyGPT, TransformerBlock, generate,
+                                       generate_stream, sample_next, train_tiny_gpt)
 from selfattn_nbdev.modern import check_kv_heads, check_rope, check_window
 from selfattn_nbdev.tiled import online_softmax, tiled_attention
 from selfattn_nbdev.training import (VOCAB, BankSenseClassifier, accuracy, check_labels, check_sentences,
@@ -50,6 +51,26 @@ def _second_order_through_tiled():
     q = torch.randn(1, 1, 4, 8, dtype=torch.float64, requires_grad=True)
     grad, = torch.autograd.grad(tiled_attention(q, q, q).sum(), q, create_graph=True)
     grad.sum().backward()
+
+
+def _fill(cache, num_tokens):
+    "Give `cache` num_tokens tokens through a module with context_length 16."
+    m = MultiHeadAttention(4, 4, 16)
+    with torch.no_grad(): m(torch.randn(1, num_tokens, 4), cache=cache)
+
+
+def _ring_chunk():
+    m, cache = MultiHeadAttention(4, 4, 16, window=3), StaticKVCache(8)
+    with torch.no_grad():
+        m(torch.randn(1, 4, 4), cache=cache)
+        m(torch.randn(1, 2, 4), cache=cache)
+
+
+def _two_modules(cache):
+    a, b = MultiHeadAttention(4, 4, 8), MultiHeadAttention(4, 4, 8)
+    with torch.no_grad():
+        a(X[:1, :2], cache=cache)
+        b(X[:1, :2], cache=cache)
 
 
 CASES = {
@@ -330,6 +351,63 @@ CASES = {
     'generate prompt range': (lambda: generate(GPT, torch.tensor([[0, 7]]), 2), ValueError, ['prompt_ids', '7']),
     'generate too long': (lambda: generate(GPT, torch.zeros(1, 10, dtype=torch.long), 7), ValueError,
                           ['17', 'context_length=16']),
+    # --- the fixed-shape cache, sampling, stop ids, streaming (issue 20)
+    'StaticKVCache capacity': (lambda: StaticKVCache(0), ValueError, ['capacity', 'got 0']),
+    'StaticKVCache capacity float': (lambda: StaticKVCache(8.0), ValueError, ['capacity', '8.0']),
+    'StaticKVCache pads float': (lambda: StaticKVCache(8, pads=torch.tensor([0.5])), TypeError, ['pads', 'float32']),
+    'StaticKVCache pads range': (lambda: StaticKVCache(8, pads=torch.tensor([0, 8])), ValueError, ['pads', '8']),
+    'StaticKVCache pads negative': (lambda: StaticKVCache(8, pads=torch.tensor([-1])), ValueError, ['pads', '-1']),
+    'StaticKVCache pads 2-D': (lambda: StaticKVCache(8, pads=torch.zeros(1, 2, dtype=torch.long)), ValueError,
+                               ['pads', '(1, 2)']),
+    'StaticKVCache full': (lambda: _fill(StaticKVCache(4), 5), ValueError, ['capacity=4', '5']),
+    'StaticKVCache batch': (lambda: _fill(StaticKVCache(8, pads=torch.tensor([0, 1])), 2), ValueError,
+                            ['batch of 2', 'batch size 1']),
+    'StaticKVCache beyond context': (lambda: _fill(StaticKVCache(32), 1), ValueError,
+                                     ['capacity=32', 'context_length=16']),
+    'StaticKVCache padding mask': (lambda: MultiHeadAttention(4, 4, 8)(X[:1], cache=StaticKVCache(8),
+                                                                       key_padding_mask=torch.zeros(1, 5, dtype=bool)),
+                                   ValueError, ['key_padding_mask', 'pads=']),
+    'StaticKVCache ring chunk': (lambda: _ring_chunk(), ValueError, ['one token at a time', 'got 2']),
+    'StaticKVCache two modules': (lambda: _two_modules(StaticKVCache(8)), ValueError, ['another module']),
+    'KVCache two modules': (lambda: _two_modules(KVCache()), ValueError, ['another module']),
+    'TinyGPT new_caches pads': (lambda: GPT.new_caches(pads=torch.tensor([0])), ValueError, ['pads', 'capacity']),
+    'generate top_k zero': (lambda: generate(GPT, torch.zeros(1, 2, dtype=torch.long), 2, temperature=1, top_k=0),
+                            ValueError, ['top_k', 'got 0']),
+    'generate top_k float': (lambda: generate(GPT, torch.zeros(1, 2, dtype=torch.long), 2, top_k=2.5), ValueError,
+                             ['top_k', '2.5']),
+    'generate top_p zero': (lambda: generate(GPT, torch.zeros(1, 2, dtype=torch.long), 2, top_p=0), ValueError,
+                            ['top_p', '(0, 1]', 'got 0']),
+    'generate top_p above 1': (lambda: generate(GPT, torch.zeros(1, 2, dtype=torch.long), 2, top_p=1.5), ValueError,
+                               ['top_p', '1.5']),
+    'generate stop_ids str': (lambda: generate(GPT, torch.zeros(1, 2, dtype=torch.long), 2, stop_ids='\n'), TypeError,
+                              ['stop_ids', "'\\n'"]),
+    'generate stop_ids empty': (lambda: generate(GPT, torch.zeros(1, 2, dtype=torch.long), 2, stop_ids=[]), TypeError,
+                                ['stop_ids', '[]']),
+    'generate stop_ids range': (lambda: generate(GPT, torch.zeros(1, 2, dtype=torch.long), 2, stop_ids=[1, 99]),
+                                ValueError, ['stop_ids', '99']),
+    'generate stop_ids bool': (lambda: generate(GPT, torch.zeros(1, 2, dtype=torch.long), 2, stop_ids=True), TypeError,
+                               ['stop_ids', 'True']),
+    'generate pad_id negative': (lambda: generate(GPT, torch.zeros(1, 2, dtype=torch.long), 2, stop_ids=1, pad_id=-1),
+                                 ValueError, ['pad_id', '-1']),
+    'generate pad_id range': (lambda: generate(GPT, torch.zeros(1, 2, dtype=torch.long), 2, stop_ids=1, pad_id=6),
+                              ValueError, ['pad_id', '6']),
+    'generate compile str': (lambda: generate(GPT, torch.zeros(1, 2, dtype=torch.long), 2, compile='yes'), TypeError,
+                             ['compile', "'yes'"]),
+    'generate prompts empty list': (lambda: generate(GPT, [], 2), ValueError, ['prompt_ids', '[]']),
+    'generate prompt empty row': (lambda: generate(GPT, [torch.tensor([1]), torch.tensor([], dtype=torch.long)], 2),
+                                  ValueError, ['prompt_ids[1]', 'empty']),
+    'generate prompt no tokens': (lambda: generate(GPT, torch.zeros(2, 0, dtype=torch.long), 2), ValueError,
+                                  ['prompt_ids', '(2, 0)']),
+    'generate prompt list 2-D': (lambda: generate(GPT, [torch.zeros(1, 2, dtype=torch.long)], 2), ValueError,
+                                 ['prompt_ids[0]', '(1, 2)']),
+    'generate prompt list range': (lambda: generate(GPT, [torch.tensor([1, 9])], 2), ValueError,
+                                   ['prompt_ids[0]', '9']),
+    'generate_stream temperature': (lambda: next(generate_stream(GPT, torch.zeros(1, 2, dtype=torch.long), 2,
+                                                                 temperature=-1)), ValueError, ['temperature', '-1']),
+    'sample_next temperature': (lambda: sample_next(torch.zeros(1, 3), temperature=-0.5), ValueError,
+                                ['temperature', '-0.5']),
+    'sample_next top_k': (lambda: sample_next(torch.zeros(1, 3), 1.0, top_k=-2), ValueError, ['top_k', '-2']),
+    'sample_next top_p': (lambda: sample_next(torch.zeros(1, 3), 1.0, top_p='0.9'), ValueError, ['top_p', "'0.9'"]),
     # --- the explorer
     'package_attention causal': (lambda: package_attention(EXPLORER.inputs(), causal='False'), TypeError,
                                  ['causal', "'False'"]),
@@ -351,6 +429,7 @@ def test_the_matrix_is_large_and_covers_the_public_names():
     import selfattn_nbdev, selfattn_nbdev.generation as gen, selfattn_nbdev.training as tr
     assert len(CASES) >= 150, len(CASES)
     names = set(selfattn_nbdev.__all__) | {'CharTokenizer', 'TinyGPT', 'TransformerBlock', 'generate', 'train_tiny_gpt',
+                                           'StaticKVCache', 'generate_stream', 'sample_next',
                                            'make_bank_sentences', 'BankSenseClassifier', 'train_classifier', 'accuracy'}
     covered = {n for n in names if any(n in c or n.replace('_', ' ') in c for c in CASES)}
     aliases = {'MultiHeadAttention': 'MHA', 'MultiHeadAttentionWrapper': 'Wrapper', 'to_torch_multihead': 'to_torch',

@@ -69,7 +69,7 @@ def test_reset_and_errors():
     with pytest.raises(ValueError, match='batch of 1 sequences; got x with batch size 2'):
         m(torch.randn(2, 1, 8), cache=cache)
     other = MultiHeadAttention(8, 4, 6, num_heads=2)
-    with pytest.raises(ValueError, match='use one cache per module'):
+    with pytest.raises(ValueError, match='holds the keys of another module'):
         other(torch.randn(1, 1, 8), cache=cache)
     cache.reset()
     assert len(cache) == 0

@@ -1,0 +1,175 @@
+"""Issue 20: the fixed-shape cache, prompts of different lengths, sampling, stop ids, streaming and a decode step that
+compiles once. Every comparison is against the model without any cache, one row at a time where rows matter."""
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.utils import counters
+
+from selfattn_nbdev.generation import StaticKVCache, TinyGPT, generate, generate_stream, sample_next
+from selfattn_nbdev.multihead import KVCache, MultiHeadAttention
+
+CONFIGS = {'plain': {}, 'gqa': dict(num_kv_heads=1), 'rope': dict(rope=True),
+           'window': dict(window=5), 'gqa-window-rope': dict(num_kv_heads=2, window=4, rope=True)}
+
+
+def _model(options, context=64, seed=0):
+    torch.manual_seed(seed)
+    return TinyGPT(37, context, d_model=32, num_heads=4, num_layers=2, **options).eval()
+
+
+@pytest.mark.parametrize('name', list(CONFIGS))
+def test_static_cache_logits_equal_the_uncached_forward(name):
+    "Prompt of 7, then one token at a time: every step's logits within 1e-5 of one forward on everything."
+    model, ids = _model(CONFIGS[name]), torch.randint(0, 37, (3, 20))
+    with torch.no_grad():
+        full = model(ids)                                           # (3, 20, 37)
+        caches = model.new_caches(capacity=20)
+        steps = [model(ids[:, :7], caches)] + [model(ids[:, t:t + 1], caches) for t in range(7, 20)]
+    assert (torch.cat(steps, 1) - full).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize('name', list(CONFIGS))
+@pytest.mark.parametrize('explicit', [False, True], ids=['fused', 'explicit'])
+def test_static_cache_in_multihead_attention_on_both_paths(name, explicit):
+    torch.manual_seed(1)
+    attn = MultiHeadAttention(16, 16, 32, num_heads=4, **CONFIGS[name]).eval()
+    x = torch.randn(2, 15, 16)
+    with torch.no_grad():
+        full = attn(x)
+        cache = StaticKVCache(capacity=15)
+        outs = [attn(x[:, :6], cache=cache, return_attn_weights=explicit)]
+        outs += [attn(x[:, t:t + 1], cache=cache, return_attn_weights=explicit) for t in range(6, 15)]
+    outs = [o[0] if explicit else o for o in outs]
+    assert (torch.cat(outs, 1) - full).abs().max() < 1e-5
+    if 'window' in name: assert cache._keys.shape[2] == CONFIGS[name]['window']   # a ring of window slots
+
+
+def test_chunks_of_any_size_without_a_window():
+    attn = MultiHeadAttention(8, 8, 16, num_heads=2, rope=True).eval()
+    x, cache = torch.randn(1, 12, 8), StaticKVCache(12)
+    with torch.no_grad():
+        outs = [attn(x[:, a:b], cache=cache) for a, b in [(0, 1), (1, 4), (4, 9), (9, 12)]]
+        assert (torch.cat(outs, 1) - attn(x)).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize('name', list(CONFIGS))
+def test_prompts_of_different_lengths_give_each_row_what_it_gets_alone(name):
+    model = _model(CONFIGS[name])
+    prompts = [torch.randint(0, 37, (n,)) for n in (3, 11, 1, 7)]       # longer and shorter than the window
+    together = generate(model, prompts, 25)
+    for row, prompt in zip(together, prompts):
+        assert torch.equal(row, generate(model, [prompt], 25)[0])
+        assert torch.equal(row, generate(model, prompt[None], 25)[0])   # a tensor prompt: no padding at all
+    assert all(torch.equal(a, b) for a, b in zip(together, generate(model, prompts, 25, use_cache=False)))
+
+
+def test_padded_rows_logits_match_alone():
+    "Not only the argmax: the logits of every generated position of a padded row, within 1e-5."
+    model = _model(dict(rope=True))
+    short, long = torch.randint(0, 37, (4,)), torch.randint(0, 37, (9,))
+    pads = torch.tensor([5, 0])
+    ids = torch.stack([torch.cat([torch.zeros(5, dtype=torch.long), short]), long])
+    with torch.no_grad():
+        got = model(ids, model.new_caches(capacity=9, pads=pads))[0, 5:]
+        assert (got - model(short[None])[0]).abs().max() < 1e-5
+
+
+def test_compile_once_for_a_whole_generation():
+    "fullgraph=True, one graph for 50 decode steps (backend 'eager': dynamo's tracing without inductor's time)."
+    model, prompts = _model(CONFIGS['gqa-window-rope']), [torch.randint(0, 37, (n,)) for n in (3, 9)]
+    torch._dynamo.reset(); counters.clear()
+    out = generate(model, prompts, 50, compile=dict(backend='eager', fullgraph=True))
+    assert counters['stats']['unique_graphs'] == 1
+    assert all(torch.equal(a, b) for a, b in zip(out, generate(model, prompts, 50)))
+
+
+@pytest.mark.slow
+def test_compile_once_with_inductor_over_512_tokens():
+    model, prompt = _model({}, context=600), torch.randint(0, 37, (2, 32))
+    torch._dynamo.reset(); counters.clear()
+    out = generate(model, prompt, 512, compile=True)
+    assert counters['stats']['unique_graphs'] == 1
+    assert torch.equal(out, generate(model, prompt, 512))
+
+
+def test_sampling_truncations():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]]).expand(4000, 5)
+    draw = lambda **kw: sample_next(logits, generator=torch.Generator().manual_seed(0), **kw).bincount(minlength=5)
+    assert (draw(temperature=1.0) > 0).all()
+    assert (draw(temperature=1.0, top_k=3)[3:] == 0).all() and (draw(temperature=1.0, top_k=3)[:3] > 0).all()
+    probs = logits[0].softmax(-1)                           # 0.636, 0.234, 0.086, ...: p = 0.8 keeps two
+    kept = draw(temperature=1.0, top_p=0.8)
+    assert (kept[2:] == 0).all() and (kept[:2] > 0).all() and probs[:1].sum() < 0.8 <= probs[:2].sum()
+    assert torch.equal(sample_next(logits, 1.0, top_k=1), logits.argmax(-1))
+    assert torch.equal(sample_next(logits, 1.0, top_p=1e-6), logits.argmax(-1))
+    share = draw(temperature=1.0)[0] / 4000                 # the sampler follows the softmax
+    assert abs(share - probs[0]) < 0.03
+
+
+def test_seeded_sampling_is_reproducible_and_the_seed_matters():
+    model, prompts = _model({}), [torch.randint(0, 37, (n,)) for n in (2, 6)]
+    run = lambda seed: generate(model, prompts, 30, temperature=1.0, top_k=10, top_p=0.95,
+                                generator=torch.Generator().manual_seed(seed))
+    first, again, other = run(3), run(3), run(4)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    assert not all(torch.equal(a, b) for a, b in zip(first, other))
+
+
+def test_stop_ids_end_each_row_on_its_own():
+    model, prompts = _model({}), [torch.randint(0, 37, (n,)) for n in (2, 5, 3)]
+    free = generate(model, prompts, 30)
+    stop = int(free[0][2 + 4])                      # the 5th token of row 0: row 0 stops there at the latest
+    rows = generate(model, prompts, 30, stop_ids=[stop, 36])
+    for row, whole, prompt in zip(rows, free, prompts):
+        new = whole[len(prompt):]
+        hits = torch.isin(new, torch.tensor([stop, 36])).nonzero()
+        end = int(hits[0, 0]) + 1 if len(hits) else len(new)
+        assert torch.equal(row, whole[:len(prompt) + end])     # cut after the first stop id, else all
+    as_tensor = generate(model, free[0][:2][None].repeat(2, 1), 30, stop_ids=stop, pad_id=0)
+    assert as_tensor.shape == (2, 2 + 5) and (as_tensor[:, -1] == stop).all()   # all stopped: no more steps
+
+
+def test_streaming_yields_each_step_as_it_is_made():
+    model, prompt = _model({}), torch.randint(0, 37, (2, 4))
+    stream = generate_stream(model, prompt, 12)
+    first = next(stream)                         # a token exists before the rest are computed
+    assert first.shape == (2,)
+    rest = list(stream)
+    assert len(rest) == 11
+    assert torch.equal(torch.stack([first, *rest], 1), generate(model, prompt, 12)[:, 4:])
+
+
+class OneLayerLM(nn.Module):
+    "Not a TinyGPT: the protocol only (vocab_size, context_length, new_caches, forward(token_ids, caches))."
+    def __init__(self):
+        super().__init__()
+        self.vocab_size, self.context_length = 11, 40
+        self.emb = nn.Embedding(11, 16)
+        self.attn = MultiHeadAttention(16, 16, 40, num_heads=2, rope=True)
+        self.out = nn.Linear(16, 11)
+
+    def new_caches(self, capacity=None, pads=None):
+        return [KVCache() if capacity is None else StaticKVCache(capacity, pads)]
+
+    def forward(self, token_ids, caches=None):
+        return self.out(self.attn(self.emb(token_ids), cache=None if caches is None else caches[0]))
+
+
+def test_any_model_with_the_protocol():
+    torch.manual_seed(0)
+    model, prompts = OneLayerLM().eval(), [torch.randint(0, 11, (n,)) for n in (4, 2)]
+    together = generate(model, prompts, 10)
+    for row, prompt in zip(together, prompts):
+        assert torch.equal(row, generate(model, [prompt], 10, use_cache=False)[0])
+
+
+def test_one_cache_one_module():
+    "Issue 23: a cache given to a second module of the same shape raises instead of mixing keys (was off by 0.41)."
+    a, b = (MultiHeadAttention(8, 8, 16, num_heads=2) for _ in range(2))
+    x = torch.randn(1, 3, 8)
+    for cache in (KVCache(), StaticKVCache(16)):
+        a(x, cache=cache)
+        with pytest.raises(ValueError, match='another module'):
+            b(x, cache=cache)
+        cache.reset()
+        b(x, cache=cache)                        # after a reset it may serve another module

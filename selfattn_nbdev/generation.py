@@ -13,6 +13,7 @@ import io
 import time
 
 import torch
+from fastcore.meta import delegates
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -454,24 +455,16 @@ def generate_stream(
                      model.new_caches(capacity=token_ids.shape[1], pads=pads))
             logits = model(token_ids, fresh)[:, -1]
 
+@delegates(generate_stream)  # the same options, shown in its signature
 def generate(
-    model:nn.Module,  # any model with the protocol below: TinyGPT, GPT2, Llama
+    model:nn.Module,  # any model with the protocol above: TinyGPT, GPT2, Llama
     prompt_ids,       # (b, T) ids, or a list of 1-D prompts of different lengths
     max_new_tokens:int, # the most tokens to add to each row
-    use_cache:bool=True, # keep keys and values (fast), or recompute every prefix
-    temperature:float=0.0, # 0: greedy; else sample from softmax(logits / t)
-    top_k:int|None=None,   # sample among the k most likely tokens
-    top_p:float|None=None, # sample among the likeliest tokens of mass top_p
-    stop_ids=None, # an id or a list of ids: a row that writes one is finished
-    pad_id:int|None=None, # what fills a finished row (default: its stop id)
-    generator:torch.Generator|None=None, # seeded sampling, on the model's device
-    compile=False, # True: torch.compile the decode step once (CUDA graphs on CUDA)
-    static:bool|None=None, # StaticKVCache? None: when compiling or padding, else not
     step_times:list|None=None, # if a list, the seconds of every step are appended
+    **kwargs, # generate_stream's: use_cache, temperature, top_k, stop_ids, compile...
 ): # a tensor (b, T + new) for a tensor; for a list, each prompt + its new tokens
     "Continue every prompt; the same tokens `generate_stream` yields, all at once."
-    stream = generate_stream(model, prompt_ids, max_new_tokens, use_cache, temperature,
-                             top_k, top_p, stop_ids, pad_id, generator, compile, static)
+    stream = generate_stream(model, prompt_ids, max_new_tokens, **kwargs)
     new, start = [], time.perf_counter()
     for next_ids in stream:
         new.append(next_ids)
@@ -481,7 +474,7 @@ def generate(
         return torch.cat([prompt_ids, *[t[:, None] for t in new]], dim=1)
     new = (torch.stack(new, 1) if new else
            torch.zeros(len(prompt_ids), 0, dtype=torch.long))       # (b, steps)
-    rows = []
+    rows, stop_ids = [], kwargs.get('stop_ids')
     for prompt, row in zip(prompt_ids, new.to(prompt_ids[0].device)):
         if stop_ids is not None:  # cut after the first stop id
             hits = torch.isin(row, _stop_ids(stop_ids, 2**62, row)).nonzero()

@@ -82,11 +82,12 @@ def test_tiled_skips_empty_tiles():
     assert out[..., :8, :].isnan().all()              # the ones that read the NaN keys
 
 
+@pytest.mark.parametrize('dtype,tol', [(torch.float32, 1e-5), (torch.float64, 1e-12)], ids=['float32', 'float64'])
 @pytest.mark.parametrize('name', ['window', 'causal+padding', 'window+documents', 'causal+documents+padding'])
-def test_flex_attention_uncompiled_equals_the_reference(name):
-    q, k, v = (t.detach().float() for t in _qkv(torch.float32))
+def test_flex_attention_uncompiled_equals_the_reference(name, dtype, tol):
+    q, k, v = (t.detach() for t in _qkv(dtype))
     ours = flex_attend(q, k, v, MASKS[name], compiled=False)
-    assert (ours - reference(MASKS[name], q, k, v)).abs().max() < 1e-5
+    assert ours.dtype == dtype and (ours - reference(MASKS[name], q, k, v)).abs().max() < tol
 
 
 @pytest.mark.slow
@@ -228,3 +229,27 @@ def test_mask_errors_name_the_argument():
         tiled_attention(q, q, q, block_mask=block_mask(key_padding(torch.zeros(2, 5, dtype=torch.bool)), 5, batch=2))
     with pytest.raises(ValueError, match='mode must be one of'):
         with flex_mode('fast'): pass
+
+
+COMPILE_CASES = {'window': (dict(window=4), {}, 'fused'), 'padding': ({}, dict(key_padding_mask=PAD), 'explicit'),
+                 'documents+gqa+rope': (dict(num_kv_heads=2, rope=True), dict(document_ids=IDS), 'fused'),
+                 'window+rope+padding': (dict(window=3, rope=True), dict(key_padding_mask=PAD), 'explicit')}
+
+
+@pytest.mark.parametrize('case', list(COMPILE_CASES))
+def test_masked_module_compiles_as_one_graph(case):
+    "torch.compile(fullgraph=True): no graph break on any mask (backend 'eager': dynamo's tracing, no inductor)."
+    options, kw, path = COMPILE_CASES[case]
+    m, x = _module(**options).eval(), torch.randn(2, T, 16, dtype=torch.float64)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: PATHS[path](m, x, **kw), fullgraph=True, backend='eager')
+    assert (compiled(x) - PATHS[path](m, x, **kw)).abs().max() < 1e-12
+
+
+@pytest.mark.slow
+def test_masked_module_compiles_with_inductor():
+    options, kw, _ = COMPILE_CASES['window+rope+padding']
+    m, x = _module(**options).float().eval(), torch.randn(2, T, 16)
+    torch._dynamo.reset()
+    compiled = torch.compile(m, fullgraph=True)
+    assert (compiled(x, **kw) - m(x, **kw)).abs().max() < 1e-5

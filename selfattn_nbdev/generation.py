@@ -19,7 +19,8 @@ from torch import Tensor, nn
 
 from .core import (check_count, check_flag, check_range, check_size,
                                  check_token_ids, check_tokens)
-from .masks import _ask, and_masks, causal, key_padding, sliding_window
+from .masks import (_ask, and_masks, causal, document_positions,
+                                  key_padding, sliding_window)
 from .multihead import KVCache, MultiHeadAttention
 
 # %% ../nbs/06_generation.ipynb #e753034a
@@ -81,10 +82,12 @@ class TransformerBlock(nn.Module):
     def forward(self,
                 x:Tensor,   # token vectors, (b, num_tokens, d_model)
                 cache=None, # this block's KVCache, when generating
+                document_ids:Tensor|None=None, # int (b, num_tokens): packed documents
                ) -> Tensor: # (b, num_tokens, d_model)
         "Attend to the earlier tokens, then transform each token; add both to `x`."
         check_tokens(x, self.attn.d_in, self.attn.W_query.weight.dtype)
-        x = x + self.attn(self.norm1(x), cache=cache)  # (b, num_tokens, d_model)
+        attended = self.attn(self.norm1(x), cache=cache, document_ids=document_ids)
+        x = x + attended                               # (b, num_tokens, d_model)
         return x + self.mlp(self.norm2(x))             # (b, num_tokens, d_model)
 
 # %% ../nbs/06_generation.ipynb #cb5f9339
@@ -126,11 +129,18 @@ class TinyGPT(nn.Module):
     def forward(self,
                 token_ids:Tensor, # (b, num_tokens): all tokens, or only the new ones
                 caches:list|None=None, # from `new_caches`: token_ids are the new tokens
+                document_ids:Tensor|None=None, # int (b, T): packed documents, no cache
                ) -> Tensor: # next-token logits, (b, num_tokens, vocab_size)
         "Scores for the token that follows each position."
         check_token_ids(token_ids, self.vocab_size, dims=(2,))
         num_new = token_ids.shape[-1]
         if not torch.compiler.is_compiling():  # compiled: generate checked it all
+            if document_ids is not None and (not isinstance(document_ids, Tensor)
+                                             or document_ids.shape != token_ids.shape):
+                got = (tuple(document_ids.shape) if isinstance(document_ids, Tensor)
+                       else type(document_ids).__name__)
+                raise ValueError(f"document_ids must be an integer tensor shaped like "
+                                 f"token_ids {tuple(token_ids.shape)}; got {got}")
             if caches is not None and len(caches) != len(self.blocks):
                 raise ValueError(f"caches must be a list of {len(self.blocks)} caches, "
                                  f"one per block (model.new_caches()); "
@@ -141,12 +151,14 @@ class TinyGPT(nn.Module):
                                  f"{seen + num_new}, more than context_length="
                                  f"{self.context_length}")
         device = token_ids.device
-        if caches is None: positions = torch.arange(num_new, device=device)[None]
-        else: positions = caches[0].positions(num_new, device)  # (b | 1, T)
+        if caches is not None: positions = caches[0].positions(num_new, device)  # b|1,T
+        elif document_ids is not None:  # each document starts again at position 0
+            positions = document_positions(document_ids)                     # (b, T)
+        else: positions = torch.arange(num_new, device=device)[None]        # (1, T)
         x = self.token_emb(token_ids)                            # (b, T, d_model)
         if self.pos_emb is not None: x = x + self.pos_emb(positions)
         for i, block in enumerate(self.blocks):
-            x = block(x, cache=None if caches is None else caches[i])
+            x = block(x, None if caches is None else caches[i], document_ids)
         return self.head(self.norm(x))                           # (b, T, vocab_size)
 
 # %% ../nbs/06_generation.ipynb #e4841686

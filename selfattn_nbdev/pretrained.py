@@ -87,9 +87,11 @@ class LlamaBlock(nn.Module):
     def forward(self,
                 x:Tensor,   # token vectors, (b, num_tokens, d_model)
                 cache=None, # this block's KVCache, when generating
+                document_ids:Tensor|None=None, # int (b, num_tokens): packed documents
                ) -> Tensor: # (b, num_tokens, d_model)
         "Attend to the earlier tokens, then transform each token; add both to `x`."
-        x = x + self.attn(self.norm1(x), cache=cache)  # (b, num_tokens, d_model)
+        attended = self.attn(self.norm1(x), cache=cache, document_ids=document_ids)
+        x = x + attended                               # (b, num_tokens, d_model)
         return x + self.mlp(self.norm2(x))             # (b, num_tokens, d_model)
 
 # %% ../nbs/10_pretrained.ipynb #1c263860

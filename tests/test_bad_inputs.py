@@ -408,6 +408,13 @@ CASES = {
                                 ['temperature', '-0.5']),
     'sample_next top_k': (lambda: sample_next(torch.zeros(1, 3), 1.0, top_k=-2), ValueError, ['top_k', '-2']),
     'sample_next top_p': (lambda: sample_next(torch.zeros(1, 3), 1.0, top_p='0.9'), ValueError, ['top_p', "'0.9'"]),
+    'TinyGPT document_ids shape': (lambda: GPT(torch.zeros(2, 5, dtype=torch.long), document_ids=torch.zeros(2, 6)),
+                                   ValueError, ['document_ids', '(2, 5)', '(2, 6)']),
+    'TinyGPT document_ids float': (lambda: GPT(torch.zeros(1, 3, dtype=torch.long), document_ids=torch.zeros(1, 3)),
+                                   TypeError, ['document_ids', 'float32']),
+    'TinyGPT document_ids with caches': (lambda: GPT(torch.zeros(1, 3, dtype=torch.long), GPT.new_caches(),
+                                                     document_ids=torch.zeros(1, 3, dtype=torch.long)),
+                                         ValueError, ['document_ids', 'cache']),
     # --- the explorer
     'package_attention causal': (lambda: package_attention(EXPLORER.inputs(), causal='False'), TypeError,
                                  ['causal', "'False'"]),

@@ -253,3 +253,23 @@ def test_masked_module_compiles_with_inductor():
     torch._dynamo.reset()
     compiled = torch.compile(m, fullgraph=True)
     assert (compiled(x, **kw) - m(x, **kw)).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize('model', ['TinyGPT', 'TinyGPT+rope+window', 'GPT2', 'Llama'])
+def test_models_take_document_ids(model):
+    "A packed row: each document's logits and gradients are what it gets alone (positions restart)."
+    from selfattn_nbdev.generation import TinyGPT
+    from selfattn_nbdev.pretrained import GPT2, Llama
+    torch.manual_seed(0)
+    m = {'TinyGPT': lambda: TinyGPT(20, 32, d_model=16, num_heads=2),
+         'TinyGPT+rope+window': lambda: TinyGPT(20, 32, d_model=16, num_heads=2, rope=True, window=4),
+         'GPT2': lambda: GPT2(vocab_size=20, context_length=32, d_model=16, num_heads=2, num_layers=2),
+         'Llama': lambda: Llama(vocab_size=20, context_length=32, d_model=16, num_heads=2, num_layers=2,
+                                d_hidden=32)}[model]().double()
+    ids, sizes = torch.randint(0, 20, (1, 15)), [5, 7, 3]
+    docs = torch.repeat_interleave(torch.arange(3), torch.tensor(sizes))[None]
+    packed = m(ids, document_ids=docs)
+    alone = torch.cat([m(part) for part in ids.split(sizes, 1)], 1)
+    assert (packed - alone).abs().max() < 1e-12
+    grads = [torch.autograd.grad(out.square().sum(), m.token_emb.weight)[0] for out in (packed, alone)]
+    assert (grads[0] - grads[1]).abs().max() < 1e-12

@@ -18,7 +18,7 @@ def _decode(batch, compile, **options):
     return gpu.decode(TinyGPT(**TINY), 'cpu', torch.float32, batch, 5, 12, compile=compile, reps=1, **options)
 
 
-@pytest.mark.parametrize('batch', [1, 3])
+@pytest.mark.parametrize('batch', [pytest.param(1, marks=pytest.mark.slow), 3])  # one in make test
 def test_decode_runs_agree_and_report_rates(batch):
     "Three runs (the compiled one traced by dynamo, backend 'eager'): same tokens, positive rates, a limit."
     r = _decode(batch, dict(backend='eager', fullgraph=True), bandwidth=1e11)

@@ -17,6 +17,7 @@ CASES = [(T, dtype, causal, order) for T in (8, 16) for dtype in (torch.float32,
 TOL = {torch.float32: 2e-6, torch.float64: 1e-12}  # float32 rounding depends on the CPU: 1.4e-6 seen
 
 
+@pytest.mark.slow  # spawns 2 ranks (5 s); make test runs the notebook's 4 ranks, CI both
 def test_ring_attention_two_ranks():
     "Forward and backward equal SDPA on the whole sequence: 16 cases, one spawn."
     diffs = torch.tensor(run_ranks(check_ring_attention, 2, CASES)).amax(0)
@@ -32,6 +33,7 @@ def test_tensor_parallel_four_ranks():
         assert r[0]['local_heads'] == (2, 1)
 
 
+@pytest.mark.slow  # spawns ranks twice (5 s): make test-slow, in CI
 def test_run_ranks_errors_and_timeout():
     "A rank's error comes back with its traceback; a run past its timeout is stopped."
     with pytest.raises(RuntimeError, match='missing 1 required positional argument'):

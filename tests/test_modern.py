@@ -160,6 +160,7 @@ def test_window_mask_is_the_band():
     assert torch.equal(repeat_kv(torch.arange(2.).view(1, 2, 1, 1), 3).flatten(), torch.tensor([0., 0, 0, 1, 1, 1]))
 
 
+@pytest.mark.slow  # inductor compiles for 4 s: make test-slow (CI runs it)
 @pytest.mark.no_cover  # coverage's tracer slows torch.compile; the eager tests cover the same lines
 def test_gradients_flow_and_compile_matches_eager():
     torch.manual_seed(0)

@@ -9,6 +9,7 @@ __all__ = ['EMPTY', 'PARTIAL', 'FULL', 'FLEX_MODES', 'FLEX_MIN_TOKENS', 'causal'
 
 # %% ../nbs/11_masks.ipynb #m19c0002
 import importlib.util
+import inspect
 import math
 import warnings
 from contextlib import contextmanager
@@ -268,15 +269,20 @@ def varlen_attend(
 ) -> Tensor: # context vectors (b, num_heads, T, head_dim); 0 at padded queries
     "Pack the real tokens of every row end to end, attend with varlen flash attention."
     from torch.nn.attention.varlen import varlen_attn
+    params = inspect.signature(varlen_attn).parameters  # its arguments changed: ask
+    if 'window_size' not in params: options = dict(is_causal=causal)  # the first form
+    else: options = dict(window_size=(-1, 0) if causal else (-1, -1))
+    group = queries.shape[1] // keys.shape[1]
+    if group > 1 and 'enable_gqa' in params: options['enable_gqa'] = True
+    elif group > 1:  # no grouped heads in the kernel: repeat the key/value heads
+        keys, values = (t.repeat_interleave(group, dim=1) for t in (keys, values))
     real = ~key_padding_mask                                          # (b, T)
     lengths = real.sum(-1)                                            # (b,)
     cu_seqlens = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)     # (b + 1,)
     pack = lambda t: t.transpose(1, 2)[real]                          # (n, heads, hd)
     longest = int(lengths.max())
     packed = varlen_attn(pack(queries), pack(keys), pack(values), cu_seqlens,
-                         cu_seqlens, longest, longest,
-                         window_size=(-1, 0) if causal else (-1, -1),
-                         enable_gqa=queries.shape[1] != keys.shape[1])
+                         cu_seqlens, longest, longest, **options)
     context = queries.new_zeros(queries.transpose(1, 2).shape)        # (b, T, h, hd)
     context[real] = packed
     return context.transpose(1, 2)                                    # (b, h, T, hd)

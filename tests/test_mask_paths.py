@@ -273,3 +273,42 @@ def test_models_take_document_ids(model):
     assert (packed - alone).abs().max() < 1e-12
     grads = [torch.autograd.grad(out.square().sum(), m.token_emb.weight)[0] for out in (packed, alone)]
     assert (grads[0] - grads[1]).abs().max() < 1e-12
+
+
+def _fake_varlen(new_api):
+    "A CPU stand-in for varlen flash attention: SDPA on each packed sequence, in either of its signatures."
+    def attend(q, k, v, cu_q, causal, gqa):
+        outs = []
+        for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
+            q_, k_, v_ = (t[a:b].transpose(0, 1) for t in (q, k, v))          # (heads, n, hd)
+            outs.append(F.scaled_dot_product_attention(q_, k_, v_, is_causal=causal, enable_gqa=gqa).transpose(0, 1))
+        return torch.cat(outs)
+    if new_api:
+        def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1),
+                        enable_gqa=False):
+            assert torch.equal(cu_q, cu_k) and max_q == max_k == int((cu_q[1:] - cu_q[:-1]).max())
+            return attend(q, k, v, cu_q, window_size == (-1, 0), enable_gqa)
+    else:
+        def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False, return_aux=None):
+            assert q.shape[1] == k.shape[1], 'the first form has no grouped heads'
+            return attend(q, k, v, cu_q, is_causal, False)
+    return varlen_attn
+
+
+@pytest.mark.parametrize('new_api', [True, False], ids=['window_size', 'is_causal'])
+@pytest.mark.parametrize('is_causal', [True, False], ids=['causal', 'bidirectional'])
+def test_varlen_packing_on_cpu(monkeypatch, new_api, is_causal):
+    "varlen_attend's packing, cu_seqlens, grouped heads and unpacking against the dense mask (the kernel faked)."
+    import torch.nn.attention.varlen as varlen
+    from selfattn_nbdev.masks import varlen_attend
+    monkeypatch.setattr(varlen, 'varlen_attn', _fake_varlen(new_api))
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, T, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, T, 8, generator=g, dtype=torch.float64) for _ in range(2))   # GQA: 2 groups
+    ours = varlen_attend(q, k, v, PAD, is_causal)
+    mod = and_masks(causal, key_padding(PAD)) if is_causal else key_padding(PAD)
+    allowed = dense_mask(mod, T, batch=2)
+    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=allowed)
+    real = ~PAD[:, None, :, None]                                              # (b, 1, T, 1)
+    assert (ours - ref).masked_fill(~real, 0).abs().max() < 1e-12
+    assert (ours.masked_fill(real, 0) == 0).all()                             # padded queries: zeros

@@ -430,6 +430,9 @@ def generate_stream(
     token_ids, pads = _batch_prompts(prompt_ids, vocab_size)
     if static is None: static = compile is not False or pads is not None
     check_flag(static, 'static')
+    if compile is not False and not use_cache:
+        raise ValueError(f"compile={compile!r} compiles the decode step of the cache; "
+                         f"it needs use_cache=True, got use_cache=False")
     if not static and (compile is not False or pads is not None):
         raise ValueError(f"static=False: a growing KVCache changes shape every step "
                          f"and holds rows of one length; compile={compile!r} and "
@@ -439,6 +442,9 @@ def generate_stream(
         raise ValueError(f"prompt and new tokens make {total}, more than the model's "
                          f"context_length={model.context_length}")
     stops = None if stop_ids is None else _stop_ids(stop_ids, vocab_size, token_ids)
+    if pad_id is not None and stops is None:
+        raise ValueError(f"pad_id fills the rows that wrote a stop id, so it needs "
+                         f"stop_ids; got pad_id={pad_id!r} and stop_ids=None")
     if stops is not None:
         pad_id = int(stops[0]) if pad_id is None else pad_id
         check_count(pad_id, 'pad_id')

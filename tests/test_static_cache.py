@@ -173,3 +173,26 @@ def test_one_cache_one_module():
             b(x, cache=cache)
         cache.reset()
         b(x, cache=cache)                        # after a reset it may serve another module
+
+
+def test_the_cuda_decode_step_is_a_cuda_graph(monkeypatch):
+    "The GPU path's logic on CPU: on a CUDA model, compile=True means mode='reduce-overhead', each step marked."
+    import selfattn_nbdev.generation as gen
+    seen, marks = {}, []
+    monkeypatch.setattr(torch, 'compile', lambda model, **options: seen.update(options) or model)
+    monkeypatch.setattr(torch.compiler, 'cudagraph_mark_step_begin', lambda: marks.append(1))
+
+    class OnCuda:
+        "Stands for a model whose weights are on a CUDA device."
+        def parameters(self): return iter([type('P', (), {'device': torch.device('cuda')})()])
+        def __call__(self, token_ids, caches): return 'logits'
+
+    step = gen._decode_step(OnCuda(), True)
+    assert seen == {'fullgraph': True, 'mode': 'reduce-overhead'}
+    assert step(None, None) == 'logits' and step(None, None) == 'logits' and len(marks) == 2
+    seen.clear()
+    gen._decode_step(_model({}), True)                     # on CPU: no CUDA graphs
+    assert seen == {'fullgraph': True}
+    seen.clear()
+    assert gen._decode_step(OnCuda(), dict(backend='eager'))(None, None) == 'logits'
+    assert seen == {'backend': 'eager'} and len(marks) == 2   # given options are used as they are

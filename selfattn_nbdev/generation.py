@@ -174,7 +174,7 @@ def train_tiny_gpt(
     "Train `model` to predict each next token of `data`; return the losses."
     check_count(steps, 'steps'); check_size(block_size, 'block_size')
     check_size(batch_size, 'batch_size'); check_range(lr, 'lr', low=0, low_open=True)
-    check_token_ids(data, model.token_emb.num_embeddings, 'data', dims=(1,))
+    check_token_ids(data, model.vocab_size, 'data', dims=(1,))
     if len(data) <= block_size:
         raise ValueError(f"data has {len(data)} tokens; it needs more than "
                          f"block_size={block_size}")
@@ -492,10 +492,11 @@ def generate(
         return torch.cat([prompt_ids, *[t[:, None] for t in new]], dim=1)
     new = (torch.stack(new, 1) if new else
            torch.zeros(len(prompt_ids), 0, dtype=torch.long))       # (b, steps)
-    rows, stop_ids = [], kwargs.get('stop_ids')
+    rows, stop_ids = [], kwargs.get('stop_ids')  # checked by generate_stream
     for prompt, row in zip(prompt_ids, new.to(prompt_ids[0].device)):
         if stop_ids is not None:  # cut after the first stop id
-            hits = torch.isin(row, _stop_ids(stop_ids, 2**62, row)).nonzero()
+            stops = torch.tensor(stop_ids, device=row.device).reshape(-1)
+            hits = torch.isin(row, stops).nonzero()
             if len(hits): row = row[:hits[0, 0] + 1]
         rows.append(torch.cat([prompt, row]))
     return rows

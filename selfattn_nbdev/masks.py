@@ -8,6 +8,7 @@ __all__ = ['EMPTY', 'PARTIAL', 'FULL', 'FLEX_MODES', 'FLEX_MIN_TOKENS', 'causal'
            'pick_kernel', 'flex_attend', 'varlen_attend']
 
 # %% ../nbs/11_masks.ipynb #m19c0002
+import functools
 import importlib.util
 import inspect
 import math
@@ -260,6 +261,11 @@ def flex_attend(
                       enable_gqa=heads != keys.shape[1])
 
 # %% ../nbs/11_masks.ipynb #m19c0039
+@functools.lru_cache
+def _parameters(fn) -> frozenset: # the names of fn's parameters, read once
+    "Which arguments a function takes (inspect reads its signature once per function)."
+    return frozenset(inspect.signature(fn).parameters)
+
 def varlen_attend(
     queries:Tensor, # (b, num_heads, T, head_dim), float16 or bfloat16, on CUDA
     keys:Tensor,    # (b, num_kv_heads, T, head_dim)
@@ -269,7 +275,7 @@ def varlen_attend(
 ) -> Tensor: # context vectors (b, num_heads, T, head_dim); 0 at padded queries
     "Pack the real tokens of every row end to end, attend with varlen flash attention."
     from torch.nn.attention.varlen import varlen_attn
-    params = inspect.signature(varlen_attn).parameters  # its arguments changed: ask
+    params = _parameters(varlen_attn)  # its arguments changed between releases: ask
     if 'window_size' not in params: options = dict(is_causal=causal)  # the first form
     else: options = dict(window_size=(-1, 0) if causal else (-1, -1))
     group = queries.shape[1] // keys.shape[1]

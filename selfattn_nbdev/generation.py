@@ -9,11 +9,11 @@ __all__ = ['zen_of_python', 'CharTokenizer', 'TransformerBlock', 'TinyGPT', 'tra
 # %% ../nbs/06_generation.ipynb #f3719d99
 import codecs
 import contextlib
+import inspect
 import io
 import time
 
 import torch
-from fastcore.meta import delegates
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -473,7 +473,6 @@ def generate_stream(
                      model.new_caches(capacity=token_ids.shape[1], pads=pads))
             logits = model(token_ids, fresh)[:, -1]
 
-@delegates(generate_stream)  # the same options, shown in its signature
 def generate(
     model:nn.Module,  # any model with the protocol above: TinyGPT, GPT2, Llama
     prompt_ids,       # (b, T) ids, or a list of 1-D prompts of different lengths
@@ -500,3 +499,14 @@ def generate(
             if len(hits): row = row[:hits[0, 0] + 1]
         rows.append(torch.cat([prompt, row]))
     return rows
+
+def _signature_with(fn, source) -> inspect.Signature:
+    "fn's signature with source's options in place of **kwargs (for help and editors)."
+    own = [p for p in inspect.signature(fn).parameters.values()
+           if p.kind != p.VAR_KEYWORD]
+    options = [p.replace(kind=p.KEYWORD_ONLY)
+               for p in inspect.signature(source).parameters.values()
+               if p.default is not p.empty and p.name not in {q.name for q in own}]
+    return inspect.signature(fn).replace(parameters=own + options)
+
+generate.__signature__ = _signature_with(generate, generate_stream)

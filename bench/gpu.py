@@ -5,8 +5,11 @@
 
 Cases (causal): no padding at T = 8,192 (ours vs projections + SDPA is_causal); 22 % key padding at T = 8,192 and
 2,048 (ours vs varlen flash attention on the packed tokens); window 512 at T = 8,192 and 16,384, and window 512 with
-4 key/value heads at 16,384 (ours vs compiled FlexAttention). Times are medians of CUDA-event timed calls after a
-warm-up (which includes compiling); peak memory from torch.cuda.max_memory_allocated.
+4 key/value heads at 16,384 (ours vs compiled FlexAttention); each masked case also times SDPA with the dense
+mask (what the fused path did before masks were functions). Times are medians of synchronized calls after a
+warm-up (which includes compiling); peak memory from torch.cuda.max_memory_allocated after that warm-up; and
+`max_diff`, the largest difference between ours and the best kernel at the real positions. The JSON is written
+after every case, so a run cut short keeps what it measured; a case that fails is recorded with its error.
 
 Decode (`decode`): GPT-2 small's shape (`GPT2()`, random weights, bfloat16) writes 512 tokens greedily after a
 random 32-token prompt, for a batch of 1 and of 8, three ways: by hand with growing `KVCache`s
@@ -123,8 +126,9 @@ def decode(model, device, dtype, batch, prompt_len, new_tokens, compile=True, ba
             'runs': {**rows, **failed}}
 
 
-def decode_section(cuda, device, dtype, device_name) -> dict:
-    "GPT-2 small's shape on CUDA (a tiny `TinyGPT` on the small run): `decode` for a batch of 1 and of 8."
+def decode_section(cuda, device, dtype, device_name, save=lambda result: None) -> dict:
+    """GPT-2 small's shape on CUDA (a tiny `TinyGPT` on the small run): `decode` for a batch of 1 and of 8;
+    `save(result)` after each batch."""
     try:
         import transformers
         from transformers import GPT2Config, GPT2LMHeadModel
@@ -146,6 +150,7 @@ def decode_section(cuda, device, dtype, device_name) -> dict:
             n_layer=config['num_layers'], n_head=config['num_heads'], bos_token_id=None, eos_token_id=None))
         r = decode(model, device, dtype, batch, prompt_len, new_tokens, compile, bandwidth, hf_model)
         result['batches'][str(batch)] = r
+        save(result)
         limit = f"{r['limit_tokens_per_s']:,.0f} tokens/s" if bandwidth else 'unknown'
         print(f'decode, batch {batch}: {new_tokens} tokens after {prompt_len}; bandwidth limit {limit}',
               flush=True)
@@ -161,6 +166,67 @@ def decode_section(cuda, device, dtype, device_name) -> dict:
     return result
 
 
+def masks_section(cuda, device, dtype, batch, d_model, heads, save) -> list:
+    """The six cases of the top, each as a row: ours (the module's fused path), the best kernel for the mask, and
+    for a masked case SDPA with the dense mask (the fused path before masks were functions); times, peak memory,
+    and the largest difference between ours and the best at the real positions. A case that fails is recorded
+    with its error and the next one runs. `save(rows)` is called after every row."""
+    scale = 1 if cuda else 64           # T = 8,192 becomes 128 on the small run
+    reps = 20 if cuda else 2
+    rows = []
+    cases = [('causal', 8192, None, 0.0, None), ('padding 22%', 8192, None, 0.22, None),
+             ('padding 22%', 2048, None, 0.22, None), ('window 512', 8192, 512, 0.0, None),
+             ('window 512', 16384, 512, 0.0, None), ('window 512, 4 kv heads', 16384, 512, 0.0, 4)]
+    for name, T, window, padded, kv_heads in cases:
+        T, window = T // scale, window and max(window // scale, 2)
+        try:
+            rows.append({'case': name, 'T': T, **mask_case(cuda, device, dtype, batch, d_model, heads, T, window,
+                                                           padded, kv_heads, reps)})
+        except Exception as e:                          # recorded, and the next case runs
+            rows.append({'case': name, 'T': T, 'error': f'{type(e).__name__}: {e}'[:500]})
+        if cuda: torch.cuda.empty_cache()
+        print(rows[-1], flush=True)
+        save(rows)
+    return rows
+
+
+def mask_case(cuda, device, dtype, batch, d_model, heads, T, window, padded, kv_heads, reps) -> dict:
+    "One case of `masks_section`: ours, the best kernel, the dense mask (masked cases), and ours - best."
+    torch.manual_seed(0)
+    m = MultiHeadAttention(d_model, d_model, T, num_heads=heads, window=window,
+                           num_kv_heads=kv_heads).to(device, dtype).eval()
+    x = torch.randn(batch, T, d_model, device=device, dtype=dtype)
+    pad = (torch.arange(T, device=device) >= int(T * (1 - padded))).expand(batch, T) if padded else None
+    row = {}
+    with torch.no_grad(), flex_mode('compiled' if cuda else 'eager'):
+        ours_fn = lambda: m(x, key_padding_mask=pad)
+        row['ours_s'], row['ours_peak_bytes'] = timed(ours_fn, reps, cuda)
+        q, k, v = m._split_heads(m.W_query(x)), m._split_heads(m.W_key(x)), m._split_heads(m.W_value(x))
+        project = lambda context: m.out_proj(m._merge_heads(context))
+        if padded and cuda:
+            best = lambda: project(varlen_attend(q, k, v, pad, True))
+            row['best'] = 'varlen flash attention'
+        elif window:
+            best = lambda: project(flex_attend(q, k, v, sliding_window(window), ('w', window), compiled=cuda))
+            row['best'] = 'FlexAttention' + (' compiled' if cuda else ' (uncompiled, small run)')
+        else:
+            best = lambda: project(F.scaled_dot_product_attention(
+                m._split_heads(m.W_query(x)), m._split_heads(m.W_key(x)), m._split_heads(m.W_value(x)),
+                is_causal=True, attn_mask=None if pad is None else ~pad[:, None, None, :]))
+            row['best'] = 'projections + SDPA'
+        row['best_s'], row['best_peak_bytes'] = timed(best, reps, cuda)
+        row['ratio'] = row['ours_s'] / row['best_s']
+        real = slice(None) if pad is None else ~pad                     # the real positions
+        row['max_diff'] = (ours_fn()[real].float() - best()[real].float()).abs().max().item()
+        if padded or window:                                            # the dense mask, as before
+            blocked, dead = m._masks(T, pad, T)
+            groups = heads // m.num_kv_heads
+            dense = lambda: project(F.scaled_dot_product_attention(
+                q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), attn_mask=~blocked))
+            row['dense_s'], row['dense_peak_bytes'] = timed(dense, reps, cuda)
+    return row
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument('--small', action='store_true'); ap.add_argument('--out', default=str(ROOT / 'bench' / 'gpu.json'))
@@ -170,43 +236,15 @@ def main():
     device = 'cuda' if cuda else 'cpu'
     dtype = torch.bfloat16 if cuda else torch.float32
     batch, d_model, heads = (8, 1024, 16) if cuda else (2, 64, 4)
-    scale = 1 if cuda else 64           # T = 8,192 becomes 128 on the small run
-    reps = 20 if cuda else 2
-    rows = []
-    cases = [('causal', 8192, None, 0.0, None), ('padding 22%', 8192, None, 0.22, None),
-             ('padding 22%', 2048, None, 0.22, None), ('window 512', 8192, 512, 0.0, None),
-             ('window 512', 16384, 512, 0.0, None), ('window 512, 4 kv heads', 16384, 512, 0.0, 4)]
-    for name, T, window, padded, kv_heads in cases if args.part != 'decode' else ():
-        T, window = T // scale, window and max(window // scale, 2)
-        torch.manual_seed(0)
-        m = MultiHeadAttention(d_model, d_model, T, num_heads=heads, window=window,
-                               num_kv_heads=kv_heads).to(device, dtype).eval()
-        x = torch.randn(batch, T, d_model, device=device, dtype=dtype)
-        pad = (torch.arange(T, device=device) >= int(T * (1 - padded))).expand(batch, T) if padded else None
-        with torch.no_grad(), flex_mode('compiled' if cuda else 'eager'):
-            ours, ours_peak = timed(lambda: m(x, key_padding_mask=pad), reps, cuda)
-            q = m._split_heads(m.W_query(x)); k = m._split_heads(m.W_key(x)); v = m._split_heads(m.W_value(x))
-            if padded and cuda:
-                best = lambda: m.out_proj(m._merge_heads(varlen_attend(q, k, v, pad, True)))
-                best_name = 'varlen flash attention'
-            elif window:
-                best = lambda: m.out_proj(m._merge_heads(flex_attend(q, k, v, sliding_window(window), ('w', window),
-                                                                     compiled=cuda)))
-                best_name = 'FlexAttention' + (' compiled' if cuda else ' (uncompiled, small run)')
-            else:
-                best = lambda: m.out_proj(m._merge_heads(F.scaled_dot_product_attention(
-                    m._split_heads(m.W_query(x)), m._split_heads(m.W_key(x)), m._split_heads(m.W_value(x)),
-                    is_causal=True, attn_mask=None if pad is None else ~pad[:, None, None, :])))
-                best_name = 'projections + SDPA'
-            theirs, theirs_peak = timed(best, reps, cuda)
-        rows.append({'case': name, 'T': T, 'ours_s': ours, 'ours_peak_bytes': ours_peak, 'best': best_name,
-                     'best_s': theirs, 'best_peak_bytes': theirs_peak, 'ratio': ours / theirs})
-        print(rows[-1], flush=True)
     device_name = torch.cuda.get_device_name() if cuda else f'CPU (small sizes, {torch.get_num_threads()} threads)'
-    decoded = decode_section(cuda, device, dtype, device_name) if args.part != 'masks' else None
     result = {'device': device_name, 'torch': torch.__version__, 'dtype': str(dtype), 'batch': batch,
-              'd_model': d_model, 'heads': heads, 'rows': rows, 'decode': decoded}
-    Path(args.out).write_text(json.dumps(result, indent=1) + '\n')
+              'd_model': d_model, 'heads': heads, 'rows': [], 'decode': None}
+    save = lambda: Path(args.out).write_text(json.dumps(result, indent=1) + '\n')  # after every part: a run
+    if args.part != 'decode':                                                     # cut short keeps the rest
+        masks_section(cuda, device, dtype, batch, d_model, heads, lambda rows: (result.update(rows=rows), save()))
+    if args.part != 'masks':
+        decode_section(cuda, device, dtype, device_name, lambda part: (result.update(decode=part), save()))
+    save()
 
 
 if __name__ == '__main__':

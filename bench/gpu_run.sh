@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# What runs on a lent CUDA GPU, in one go: bench/gpu.py's masks, the CUDA tests, bench/gpu.py's decode, each
+# within its own time limit, so that one part running long cannot take the others' results with it.
+#   OUT=folder bash bench/gpu_run.sh      # logs and JSON land in $OUT (bench/gpu.json is merged from them)
+set -u
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
+{ nvidia-smi -L; python3 -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda)"
+  python3 -c "import transformers; print('transformers', transformers.__version__)"; } > "$OUT/device.txt" 2>&1
+timeout "${MASKS_S:-170}" python3 bench/gpu.py --part masks --out "$OUT/gpu_masks.json" > "$OUT/masks.log" 2>&1
+echo "masks: exit $?" >> "$OUT/device.txt"
+timeout "${TESTS_S:-150}" python3 -m pytest --noconftest -o addopts='' -q -p no:cacheprovider --durations=8 \
+    tests/test_cuda.py > "$OUT/tests.log" 2>&1
+echo "tests: exit $?" >> "$OUT/device.txt"
+timeout "${DECODE_S:-260}" python3 bench/gpu.py --part decode --out "$OUT/gpu_decode.json" > "$OUT/decode.log" 2>&1
+echo "decode: exit $?" >> "$OUT/device.txt"
+cat "$OUT/device.txt"; tail -3 "$OUT/tests.log"

@@ -6,7 +6,9 @@
 Cases (causal): no padding at T = 8,192 (ours vs projections + SDPA is_causal); 22 % key padding at T = 8,192 and
 2,048 (ours vs varlen flash attention on the packed tokens); window 512 at T = 8,192 and 16,384, and window 512 with
 4 key/value heads at 16,384 (ours vs compiled FlexAttention); each masked case also times SDPA with the dense
-mask (what the fused path did before masks were functions). Times are medians of synchronized calls after a
+mask (what the fused path did before masks were functions), and each padded one FlexAttention too (padding
+also at T = 4,096: where varlen starts to pay). Every contender runs from x: the projections, the kernel and
+out_proj. Times are medians of synchronized calls after a
 warm-up (which includes compiling); peak memory from torch.cuda.max_memory_allocated after that warm-up; and
 `max_diff`, the largest difference between ours and the best kernel at the real positions. The JSON is written
 after every case, so a run cut short keeps what it measured; a case that fails is recorded with its error.
@@ -35,7 +37,8 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from selfattn_nbdev.masks import flex_attend, flex_mode, sliding_window, varlen_attend  # noqa: E402
+from selfattn_nbdev.masks import (and_masks, causal, flex_attend, flex_mode, key_padding, sliding_window,
+                                  varlen_attend)  # noqa: E402
 from selfattn_nbdev.multihead import MultiHeadAttention  # noqa: E402
 from selfattn_nbdev.generation import TinyGPT  # noqa: E402
 from selfattn_nbdev.pretrained import GPT2  # noqa: E402
@@ -175,7 +178,7 @@ def masks_section(cuda, device, dtype, batch, d_model, heads, save) -> list:
     reps = 20 if cuda else 2
     rows = []
     cases = [('causal', 8192, None, 0.0, None), ('padding 22%', 8192, None, 0.22, None),
-             ('padding 22%', 2048, None, 0.22, None), ('window 512', 8192, 512, 0.0, None),
+             ('padding 22%', 4096, None, 0.22, None), ('padding 22%', 2048, None, 0.22, None), ('window 512', 8192, 512, 0.0, None),
              ('window 512', 16384, 512, 0.0, None), ('window 512, 4 kv heads', 16384, 512, 0.0, 4)]
     for name, T, window, padded, kv_heads in cases:
         T, window = T // scale, window and max(window // scale, 2)
@@ -201,18 +204,19 @@ def mask_case(cuda, device, dtype, batch, d_model, heads, T, window, padded, kv_
     with torch.no_grad(), flex_mode('compiled' if cuda else 'eager'):
         ours_fn = lambda: m(x, key_padding_mask=pad)
         row['ours_s'], row['ours_peak_bytes'] = timed(ours_fn, reps, cuda)
-        q, k, v = m._split_heads(m.W_query(x)), m._split_heads(m.W_key(x)), m._split_heads(m.W_value(x))
-        project = lambda context: m.out_proj(m._merge_heads(context))
+        def projected(attend):  # x -> the projections -> attend(q, k, v) -> out_proj, all timed
+            q, k, v = m._split_heads(m.W_query(x)), m._split_heads(m.W_key(x)), m._split_heads(m.W_value(x))
+            return m.out_proj(m._merge_heads(attend(q, k, v)))
         if padded and cuda:
-            best = lambda: project(varlen_attend(q, k, v, pad, True))
+            best = lambda: projected(lambda q, k, v: varlen_attend(q, k, v, pad, True))
             row['best'] = 'varlen flash attention'
         elif window:
-            best = lambda: project(flex_attend(q, k, v, sliding_window(window), ('w', window), compiled=cuda))
+            best = lambda: projected(lambda q, k, v: flex_attend(q, k, v, sliding_window(window), ('w', window),
+                                                                 compiled=cuda))
             row['best'] = 'FlexAttention' + (' compiled' if cuda else ' (uncompiled, small run)')
         else:
-            best = lambda: project(F.scaled_dot_product_attention(
-                m._split_heads(m.W_query(x)), m._split_heads(m.W_key(x)), m._split_heads(m.W_value(x)),
-                is_causal=True, attn_mask=None if pad is None else ~pad[:, None, None, :]))
+            best = lambda: projected(lambda q, k, v: F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, attn_mask=None if pad is None else ~pad[:, None, None, :]))
             row['best'] = 'projections + SDPA'
         row['best_s'], row['best_peak_bytes'] = timed(best, reps, cuda)
         row['ratio'] = row['ours_s'] / row['best_s']
@@ -221,9 +225,13 @@ def mask_case(cuda, device, dtype, batch, d_model, heads, T, window, padded, kv_
         if padded or window:                                            # the dense mask, as before
             blocked, dead = m._masks(T, pad, T)
             groups = heads // m.num_kv_heads
-            dense = lambda: project(F.scaled_dot_product_attention(
+            dense = lambda: projected(lambda q, k, v: F.scaled_dot_product_attention(
                 q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), attn_mask=~blocked))
             row['dense_s'], row['dense_peak_bytes'] = timed(dense, reps, cuda)
+        if padded:                                                      # and FlexAttention for padding
+            mask_mod = and_masks(causal, key_padding(pad))
+            flex = lambda: projected(lambda q, k, v: flex_attend(q, k, v, mask_mod, compiled=cuda))
+            row['flex_s'], row['flex_peak_bytes'] = timed(flex, reps, cuda)
     return row
 
 

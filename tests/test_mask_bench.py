@@ -15,5 +15,5 @@ def test_gpu_bench_runs_small_on_cpu(tmp_path):
     subprocess.run([sys.executable, str(ROOT / 'bench' / 'gpu.py'), '--small', '--out', str(out)], check=True,
                    capture_output=True, timeout=300)
     result = json.loads(out.read_text())
-    assert result['device'].startswith('CPU') and len(result['rows']) == 6
+    assert result['device'].startswith('CPU') and len(result['rows']) == 7
     assert all(r['ours_s'] > 0 and r['best_s'] > 0 for r in result['rows'])

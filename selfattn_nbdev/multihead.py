@@ -268,9 +268,11 @@ class MultiHeadAttention(nn.Module):
         if choice != 'dense':   # FlexAttention: tiles skipped, no dense mask
             mask_mod = _mask_mod(self.causal, self.window, key_padding_mask,
                                  document_ids)
-            return flex_attend(queries, keys, values, mask_mod,
-                               ('window', self.window) if plain else None,
-                               compiled=choice == 'flex')
+            form = ('window', self.window) if plain else ('batch', self.causal,
+                                                          self.window)
+            return flex_attend(queries, keys, values, mask_mod, form,
+                               compiled=choice == 'flex',  # blocks share the batch's:
+                               reads=() if plain else (key_padding_mask, document_ids))
         blocked, dead = self._masks(num_tokens, key_padding_mask, num_keys,
                                     document_ids)
         # the fallback: SDPA with the dense mask
@@ -300,7 +302,7 @@ class MultiHeadAttention(nn.Module):
             raise ValueError("document_ids cannot be combined with a cache; "
                              "generate each document on its own")
         if key_padding_mask is not None:  # NaN or inf in padding must not reach a sum
-            x = x.masked_fill(key_padding_mask[..., None] & ~x.isfinite(), 0.0)
+            x = torch.where(key_padding_mask[..., None], x.nan_to_num(0.0, 0.0, 0.0), x)
         queries = self._split_heads(self.W_query(x))       # (b, heads, T, head_dim)
         keys = self._split_heads(self.W_key(x))            # (b, kv_heads, T, hd)
         values = self._split_heads(self.W_value(x))        # (b, kv_heads, T, hd)

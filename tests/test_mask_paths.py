@@ -312,3 +312,53 @@ def test_varlen_packing_on_cpu(monkeypatch, new_api, is_causal):
     real = ~PAD[:, None, :, None]                                              # (b, 1, T, 1)
     assert (ours - ref).masked_fill(~real, 0).abs().max() < 1e-12
     assert (ours.masked_fill(real, 0) == 0).all()                             # padded queries: zeros
+
+
+def test_blocks_share_the_batch_block_mask_until_its_tensors_change(monkeypatch):
+    "A model's blocks build a per-batch block mask once; a tensor written in place, or a new one, builds again."
+    import torch.nn.attention.flex_attention as fa
+    built = []
+    real_build = fa.create_block_mask
+    monkeypatch.setattr(fa, 'create_block_mask', lambda *a, **kw: built.append(1) or real_build(*a, **kw))
+    torch.manual_seed(0)
+    blocks = [MultiHeadAttention(16, 16, 40, num_heads=2).double() for _ in range(3)]
+    x = torch.randn(2, 40, 16, dtype=torch.float64)
+    ids = torch.tensor([[0] * 15 + [1] * 25, [0] * 30 + [1] * 10])
+    run = lambda ids, **kw: [m(x, document_ids=ids, **kw) for m in blocks]
+    with flex_mode('eager'), torch.no_grad():             # FlexAttention on the CPU: no backward
+        outs = run(ids)
+        assert len(built) == 1                            # three blocks, one build
+        ids[0, 15:20] = 0                                 # written in place: its version counter moves
+        outs = run(ids)
+        assert len(built) == 2
+        outs = run(ids.clone())                           # the same numbers in another tensor: built again
+        assert len(built) == 3
+        with torch.inference_mode():                      # keeps no version counter: built every time
+            frozen = ids.clone()
+        run(frozen)
+        assert len(built) == 6
+    for m, out in zip(blocks, outs):                      # and right after the change
+        expected = m(x, document_ids=ids, return_attn_weights=True)[0]
+        assert (out - expected).abs().max() < 1e-12
+
+
+def test_flex_attend_makes_room_for_compilations_around_its_own_calls(monkeypatch):
+    """Past torch's default of 8 compilations, a compiled function runs its uncompiled code: for FlexAttention
+    the reference code, which builds the full (T, T) scores (on an H100 the ninth case of bench/gpu.py asked for
+    128 GiB). The limit is raised only while flex_attend calls its compiled kernel and builder."""
+    import torch._dynamo.config as dynamo_config
+    from selfattn_nbdev import masks
+    seen = []
+    def kernel(q, k, v, block_mask, enable_gqa):
+        seen.append(('kernel', dynamo_config.recompile_limit)); return q
+    def builder(*args, **kwargs):
+        seen.append(('builder', dynamo_config.recompile_limit)); return 'a block mask'
+    monkeypatch.setitem(masks._flex, 'compiled', (kernel, builder))
+    monkeypatch.setitem(masks._flex, 'last', (None, (), None, None))
+    q = torch.randn(1, 2, 8, 4)
+    flex_attend(q, q, q, documents(torch.zeros(1, 8, dtype=torch.long)), ('batch',), reads=(q,))
+    assert seen == [('builder', masks.FLEX_RECOMPILE_LIMIT), ('kernel', masks.FLEX_RECOMPILE_LIMIT)]
+    assert dynamo_config.recompile_limit == 8                     # and put back
+    seen.clear()
+    flex_attend(q, q, q, causal, compiled=False)                  # uncompiled: nothing to make room for
+    assert seen == []

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from .core import (check_count, check_flag, check_range, check_size,
                                  check_token_ids, check_tokens)
 from .masks import (_ask, and_masks, causal, document_positions,
-                                  key_padding, sliding_window)
+                                  key_padding, share_across_blocks, sliding_window)
 from .multihead import KVCache, MultiHeadAttention
 
 # %% ../nbs/06_generation.ipynb #e753034a
@@ -157,6 +157,7 @@ class TinyGPT(nn.Module):
         else: positions = torch.arange(num_new, device=device)[None]        # (1, T)
         x = self.token_emb(token_ids)                            # (b, T, d_model)
         if self.pos_emb is not None: x = x + self.pos_emb(positions)
+        document_ids = share_across_blocks(document_ids)  # one block mask for all
         for i, block in enumerate(self.blocks):
             x = block(x, None if caches is None else caches[i], document_ids)
         return self.head(self.norm(x))                           # (b, T, vocab_size)

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['EMPTY', 'PARTIAL', 'FULL', 'FLEX_MODES', 'FLEX_MIN_TOKENS', 'FLEX_RECOMPILE_LIMIT', 'causal', 'sliding_window',
            'key_padding', 'documents', 'document_positions', 'and_masks', 'or_masks', 'dense_mask', 'TileMask',
-           'block_mask', 'flex_mode', 'pick_kernel', 'flex_attend', 'varlen_attend']
+           'block_mask', 'flex_mode', 'pick_kernel', 'share_across_blocks', 'flex_attend', 'varlen_attend']
 
 # %% ../nbs/11_masks.ipynb #m19c0002
 import functools
@@ -237,17 +237,31 @@ def pick_kernel(
     return 'dense'
 
 # %% ../nbs/11_masks.ipynb #m19c0036
+def share_across_blocks(
+    t:Tensor|None, # a batch's key padding mask or document ids, or None
+) -> Tensor|None: # a private copy that the blocks of one forward share
+    "Copy a batch's mask input once per forward: its block mask is built only once."
+    if t is None or torch.compiler.is_compiling(): return t
+    copy = t.clone()            # nobody else holds it, so nobody writes to it
+    copy._shared_across_blocks = True
+    return copy
+
 def _versions(tensors:tuple) -> tuple|None: # each tensor's in-place write count
-    "Version counters, to tell a tensor written in place; None if one keeps none."
-    if any(t is not None and t.is_inference() for t in tensors): return None
+    "Version counters of shared copies; None unless all are shared copies that count."
+    if any(t is not None and (t.is_inference() or
+                              not getattr(t, '_shared_across_blocks', False))
+           for t in tensors): return None
     return tuple(None if t is None else t._version for t in tensors)
 
-FLEX_RECOMPILE_LIMIT = 64  # (mask form, length, dtype) compilations kept
+FLEX_RECOMPILE_LIMIT = 64  # compilations kept: mask forms x shapes x dtypes
 
 def _room(compiled:bool): # a context for the compiled calls
     "Room for many compilations: past the default 8, torch runs the uncompiled code."
     if not compiled or torch.compiler.is_compiling(): return contextlib.nullcontext()
-    return torch._dynamo.config.patch(recompile_limit=FLEX_RECOMPILE_LIMIT)
+    config = torch._dynamo.config
+    name = 'recompile_limit'  # its name since torch 2.7; before: cache_size_limit
+    if not hasattr(config, name): name = 'cache_size_limit'
+    return config.patch(**{name: max(getattr(config, name), FLEX_RECOMPILE_LIMIT)})
 
 def flex_attend(
     queries:Tensor, # (b, num_heads, T, head_dim)
@@ -264,7 +278,7 @@ def flex_attend(
     key = None if cache_key is None else (cache_key, T, S, str(queries.device))
     versions = None if torch.compiler.is_compiling() else _versions(reads)
     if not reads: block = _flex['block_masks'].get(key)
-    else:  # the last batch's block mask, if its tensors are these, unwritten
+    else:  # the last block mask, if built from these shared copies, unwritten
         last_key, last_reads, last_versions, block = _flex['last']
         same = (key is not None and versions is not None and key == last_key and
                 versions == last_versions and len(reads) == len(last_reads) and

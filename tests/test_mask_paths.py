@@ -314,32 +314,56 @@ def test_varlen_packing_on_cpu(monkeypatch, new_api, is_causal):
     assert (ours.masked_fill(real, 0) == 0).all()                             # padded queries: zeros
 
 
-def test_blocks_share_the_batch_block_mask_until_its_tensors_change(monkeypatch):
-    "A model's blocks build a per-batch block mask once; a tensor written in place, or a new one, builds again."
+def test_a_model_builds_one_block_mask_per_forward_and_never_a_stale_one(monkeypatch):
+    """TinyGPT's blocks share the block mask of its private copy of the document ids: one build per forward.
+    A tensor of the user's own is never trusted: written through NumPy (no version counter moves), it must not
+    bring back the block mask of what it held before."""
     import torch.nn.attention.flex_attention as fa
+    from selfattn_nbdev.generation import TinyGPT
     built = []
     real_build = fa.create_block_mask
     monkeypatch.setattr(fa, 'create_block_mask', lambda *a, **kw: built.append(1) or real_build(*a, **kw))
     torch.manual_seed(0)
+    model = TinyGPT(vocab_size=16, context_length=40, d_model=16, num_heads=2, num_layers=3).double().eval()
+    tokens = torch.randint(0, 16, (2, 40))
+    buffer = torch.zeros(2, 40, dtype=torch.long).numpy()
+    ids = torch.from_numpy(buffer)                      # shares the NumPy array's memory
+    buffer[0, 15:], buffer[1, 30:] = 1, 1
+    with torch.no_grad():
+        for step in range(2):
+            with flex_mode('eager'): out = model(tokens, document_ids=ids)
+            assert len(built) == step + 1                   # three blocks, one build per forward
+            with flex_mode('off'): expected = model(tokens, document_ids=ids)
+            assert (out - expected).abs().max() < 1e-12
+            buffer[0, 5:] = 1                                # written behind PyTorch's back
+        m = model.blocks[0].attn                             # the module alone, with the user's tensor
+        x = torch.randn(2, 40, 16, dtype=torch.float64)
+        with flex_mode('eager'): first = m(x, document_ids=ids)
+        buffer[1, :] = 0
+        with flex_mode('eager'): second = m(x, document_ids=ids)
+        assert len(built) == 4                               # built again: never reused
+        expected = m(x, document_ids=ids, return_attn_weights=True)[0]
+        assert (second - expected).abs().max() < 1e-12 and (first - expected).abs().max() > 1e-3
+
+
+def test_a_shared_copy_written_in_place_or_made_in_inference_mode_is_built_again(monkeypatch):
+    import torch.nn.attention.flex_attention as fa
+    from selfattn_nbdev.masks import share_across_blocks
+    built = []
+    real_build = fa.create_block_mask
+    monkeypatch.setattr(fa, 'create_block_mask', lambda *a, **kw: built.append(1) or real_build(*a, **kw))
     blocks = [MultiHeadAttention(16, 16, 40, num_heads=2).double() for _ in range(3)]
     x = torch.randn(2, 40, 16, dtype=torch.float64)
-    ids = torch.tensor([[0] * 15 + [1] * 25, [0] * 30 + [1] * 10])
-    run = lambda ids, **kw: [m(x, document_ids=ids, **kw) for m in blocks]
-    with flex_mode('eager'), torch.no_grad():             # FlexAttention on the CPU: no backward
-        outs = run(ids)
-        assert len(built) == 1                            # three blocks, one build
-        ids[0, 15:20] = 0                                 # written in place: its version counter moves
-        outs = run(ids)
-        assert len(built) == 2
-        outs = run(ids.clone())                           # the same numbers in another tensor: built again
-        assert len(built) == 3
-        with torch.inference_mode():                      # keeps no version counter: built every time
-            frozen = ids.clone()
-        run(frozen)
-        assert len(built) == 6
-    for m, out in zip(blocks, outs):                      # and right after the change
-        expected = m(x, document_ids=ids, return_attn_weights=True)[0]
-        assert (out - expected).abs().max() < 1e-12
+    ids = share_across_blocks(torch.tensor([[0] * 15 + [1] * 25, [0] * 30 + [1] * 10]))
+    run = lambda ids: [m(x, document_ids=ids) for m in blocks]
+    with flex_mode('eager'), torch.no_grad():
+        run(ids); assert len(built) == 1
+        ids[0, 15:20] = 0                                    # written in place: its version counter moves
+        outs = run(ids); assert len(built) == 2
+        with torch.inference_mode(): frozen = share_across_blocks(ids)   # keeps no version counter
+        run(frozen); assert len(built) == 5
+    for m, out in zip(blocks, outs):
+        assert (out - m(x, document_ids=ids, return_attn_weights=True)[0]).abs().max() < 1e-12
 
 
 def test_flex_attend_makes_room_for_compilations_around_its_own_calls(monkeypatch):
@@ -355,10 +379,15 @@ def test_flex_attend_makes_room_for_compilations_around_its_own_calls(monkeypatc
         seen.append(('builder', dynamo_config.recompile_limit)); return 'a block mask'
     monkeypatch.setitem(masks._flex, 'compiled', (kernel, builder))
     monkeypatch.setitem(masks._flex, 'last', (None, (), None, None))
+    before = dynamo_config.recompile_limit
     q = torch.randn(1, 2, 8, 4)
     flex_attend(q, q, q, documents(torch.zeros(1, 8, dtype=torch.long)), ('batch',), reads=(q,))
     assert seen == [('builder', masks.FLEX_RECOMPILE_LIMIT), ('kernel', masks.FLEX_RECOMPILE_LIMIT)]
-    assert dynamo_config.recompile_limit == 8                     # and put back
+    assert dynamo_config.recompile_limit == before                # and put back
+    seen.clear()
+    with dynamo_config.patch(recompile_limit=100):                # a higher limit of the user's: kept
+        flex_attend(q, q, q, documents(torch.zeros(1, 8, dtype=torch.long)), ('batch',), reads=(q,))
+    assert seen == [('builder', 100), ('kernel', 100)] and dynamo_config.recompile_limit == before
     seen.clear()
     flex_attend(q, q, q, causal, compiled=False)                  # uncompiled: nothing to make room for
     assert seen == []

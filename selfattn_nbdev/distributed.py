@@ -37,7 +37,7 @@ def free_port() -> int: # a TCP port on 127.0.0.1 that nothing listens on right 
 
 # %% ../nbs/12_distributed.ipynb #94b747d4
 def _rank_main(rank, world_size, port, fn, args, folder, timeout):
-    "One spawned rank: join the gloo group, run `fn`, save its result or its traceback."
+    "One rank: join the gloo group, run `fn`, save its result or its traceback."
     torch.set_num_threads(1)  # the ranks share the machine's cores
     path = os.path.join(folder, f"rank{rank}.pt")
     try:
@@ -59,12 +59,13 @@ def run_ranks(
     *args, # passed on to fn, after rank and world_size
     timeout:float=120.0, # seconds before every rank is stopped and TimeoutError raised
 ) -> list: # what fn returned on rank 0, 1, ...
-    "Run `fn` on `world_size` gloo ranks (spawned processes) and return their results."
+    "Run `fn` on `world_size` gloo ranks (forked processes) and return their results."
     check_size(world_size, 'world_size')
     package = importlib.import_module('selfattn_nbdev.distributed')
     if fn.__module__ == '__main__':  # defined in a notebook: the exported one runs
         fn = getattr(package, fn.__name__)
-    ctx, port = mp.get_context('spawn'), free_port()
+    ctx, port = mp.get_context('forkserver'), free_port()  # ranks forked from a server
+    ctx.set_forkserver_preload([package.__name__, 'torch.distributed.tensor'])  # once
     with tempfile.TemporaryDirectory() as folder:
         procs = [ctx.Process(target=package._rank_main, daemon=True,
                              args=(r, world_size, port, fn, args, folder, timeout))

@@ -1,6 +1,6 @@
-"""The splits of nbs/12_distributed.ipynb on spawned gloo CPU ranks: ring attention against SDPA on 2 ranks for every
+"""The splits of nbs/12_distributed.ipynb on gloo CPU ranks (forked from a server process): ring attention against SDPA on 2 ranks for every
 order, mask and dtype, tensor parallelism on 4 ranks, run_ranks's errors and timeout; and every check on one rank
-in this process, so that coverage sees the code the spawned ranks run."""
+in this process, so that coverage sees the code the ranks run."""
 import os, tempfile
 
 import pytest
@@ -17,9 +17,9 @@ CASES = [(T, dtype, causal, order) for T in (8, 16) for dtype in (torch.float32,
 TOL = {torch.float32: 2e-6, torch.float64: 1e-12}  # float32 rounding depends on the CPU: 1.4e-6 seen
 
 
-@pytest.mark.slow  # spawns 2 ranks (5 s); make test runs the notebook's 4 ranks, CI both
+@pytest.mark.slow  # starts 2 ranks; make test runs the notebook's 4 ranks, CI both
 def test_ring_attention_two_ranks():
-    "Forward and backward equal SDPA on the whole sequence: 16 cases, one spawn."
+    "Forward and backward equal SDPA on the whole sequence: 16 cases, one start of the ranks."
     diffs = torch.tensor(run_ranks(check_ring_attention, 2, CASES)).amax(0)
     for (_, dtype, *_), d in zip(CASES, diffs): assert d < TOL[dtype]
 
@@ -33,7 +33,7 @@ def test_tensor_parallel_four_ranks():
         assert r[0]['local_heads'] == (2, 1)
 
 
-@pytest.mark.slow  # spawns ranks twice (5 s): make test-slow, in CI
+@pytest.mark.slow  # starts ranks twice: make test-slow, in CI
 def test_run_ranks_errors_and_timeout():
     "A rank's error comes back with its traceback; a run past its timeout is stopped."
     with pytest.raises(RuntimeError, match='missing 1 required positional argument'):
@@ -51,7 +51,7 @@ def one_rank():
 
 
 def test_checks_on_one_rank(one_rank):
-    "Every check in this process on one rank (the code the spawned ranks run, under coverage)."
+    "Every check in this process on one rank (the code the ranks run, under coverage)."
     for d, (_, dtype, *_) in zip(check_ring_attention(0, 1, CASES[:4] + CASES[12:]), CASES[:4] + CASES[12:]):
         assert d < TOL[dtype]
     r = check_tensor_parallel(0, 1, [dict(SMALL, num_kv_heads=2, rope=True)])[0]

@@ -2,8 +2,10 @@
 
 GPT-2 small's shape in bfloat16, one row, a 32-token prompt: the compiled step alone (replayed 200 times), the
 same inside generate's loop, the eager step, and a profile of 20 compiled steps (the 15 costliest operations
-on the CPU, and the number of CUDA kernels a step launches). Run with TORCH_LOGS=perf_hints to see why CUDA
-graphs would be skipped."""
+on the CPU, and the number of CUDA kernels a step launches). Steps run back to back with one synchronisation at
+the end, the rate a generation loop sees; generate's step_times are host times, which on CUDA say how fast the
+host queues steps, not how fast the GPU runs them. Run with TORCH_LOGS=perf_hints to see why CUDA graphs would be
+skipped."""
 import argparse, sys, time
 from pathlib import Path
 

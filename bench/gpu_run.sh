@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# What runs on a lent CUDA GPU, in one go: bench/gpu.py's masks, the CUDA tests, bench/gpu.py's decode, each
-# within its own time limit, so that one part running long cannot take the others' results with it.
-#   OUT=folder bash bench/gpu_run.sh      # logs and JSON land in $OUT (bench/gpu.json is merged from them)
+# What runs on a lent CUDA GPU, in one go: bench/gpu.py's masks, the CUDA tests, bench/gpu.py's decode, then the
+# probes (block masks, the padding guard, the decode step), each within its own time limit, so that one part
+# running long cannot take the others' results with it.
+#   OUT=folder bash bench/gpu_run.sh      # 7 files (logs, JSON) land in $OUT; bench/gpu.json was assembled from them
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
@@ -14,4 +15,8 @@ timeout "${TESTS_S:-150}" python3 -m pytest --noconftest -o addopts='' -q -p no:
 echo "tests: exit $?" >> "$OUT/device.txt"
 timeout "${DECODE_S:-260}" python3 bench/gpu.py --part decode --out "$OUT/gpu_decode.json" > "$OUT/decode.log" 2>&1
 echo "decode: exit $?" >> "$OUT/device.txt"
+for probe in blockmask_probe guard_probe decode_probe; do
+  { echo "== $probe"; timeout "${PROBE_S:-120}" python3 "bench/$probe.py"; } >> "$OUT/probes.log" 2>&1
+  echo "$probe: exit $?" >> "$OUT/device.txt"
+done
 cat "$OUT/device.txt"; tail -3 "$OUT/tests.log"

@@ -215,7 +215,7 @@ class StaticKVCache:
         self.num_seen = 0  # tokens given so far, counted on the host outside compile
         self._owner = None
 
-    claim = KVCache.claim  # one cache, one module
+    claim = KVCache.claim  # one module; padding as pads=
 
     def __len__(self) -> int:
         "The number of slots in use."
@@ -262,10 +262,7 @@ class StaticKVCache:
                         ) -> None:
         "Raise a clear error unless the tokens of `x` fit (skipped inside compile)."
         if torch.compiler.is_compiling(): return  # generate checks before it starts
-        if key_padding_mask is not None:
-            raise ValueError("key_padding_mask cannot be combined with a cache; give "
-                             "prompts of different lengths as pads= (generate does)")
-        self.claim(module)
+        self.claim(module, key_padding_mask)
         rows = (self.pads.shape[0] if self.pads is not None else
                 None if self._keys is None else self._keys.shape[0])
         if rows is not None and x.shape[0] != rows:

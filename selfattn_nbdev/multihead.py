@@ -402,8 +402,13 @@ class KVCache:
 
     def claim(self,
               module:nn.Module, # the attention module about to write to the cache
+              key_padding_mask:Tensor|None=None, # what it was called with: must be None
              ) -> None:
-        "One cache, one module: a second module's keys would mix with the first's."
+        "One cache, one module (keys must not mix); padding goes in the cache (pads=)."
+        if key_padding_mask is not None:
+            raise ValueError("key_padding_mask cannot be combined with a cache; give "
+                             "prompts of different lengths to generate as a list: it "
+                             "pads them on the left and tells a StaticKVCache (pads=)")
         owner = None if self._owner is None else self._owner()
         if owner is not None and owner is not module:
             raise ValueError(f"this cache holds the keys of another module; give every "
@@ -417,10 +422,7 @@ class KVCache:
                          module:nn.Module, # the module that calls: its context_length
                         ) -> None:
         "Raise a clear error unless the tokens of `x` can follow the cached ones."
-        if key_padding_mask is not None:
-            raise ValueError("key_padding_mask cannot be combined with a cache; "
-                             "generate the sequences of a batch in step instead")
-        self.claim(module)
+        self.claim(module, key_padding_mask)
         context_length = module.context_length
         batch = None if self.keys is None else self.keys.shape[0]
         if batch is not None and x.shape[0] != batch:

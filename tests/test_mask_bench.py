@@ -17,3 +17,13 @@ def test_gpu_bench_runs_small_on_cpu(tmp_path):
     result = json.loads(out.read_text())
     assert result['device'].startswith('CPU') and len(result['rows']) == 7
     assert all(r['ours_s'] > 0 and r['best_s'] > 0 for r in result['rows'])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('probe', ['blockmask_probe', 'guard_probe', 'decode_probe'])
+def test_gpu_probes_run_small_on_cpu(probe):
+    "The probes bench/gpu_run.sh runs on a GPU also run here with --small, so a GPU session does not find them broken."
+    res = subprocess.run([sys.executable, str(ROOT / 'bench' / f'{probe}.py'), '--small'], capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert ' ms' in res.stdout

@@ -242,25 +242,52 @@ def _pass_on(
                       group_peer=(rank - 1) % size, tag=tag)]
     return dist.batch_isend_irecv(ops), received
 
+# %% ../nbs/12_distributed.ipynb #4a4301db
+def _kv_groups(
+    queries:Tensor, keys:Tensor, # as given to ring_attention
+) -> int: # query heads per key/value head: 1 unless the keys have fewer heads
+    "How many query heads share each key/value head (dim -3), or a clear error."
+    if (not isinstance(queries, Tensor) or not isinstance(keys, Tensor)
+            or queries.dim() < 3 or keys.dim() != queries.dim()
+            or queries.shape[-3] == keys.shape[-3]):
+        return 1                            # nothing grouped: the usual checks judge
+    heads, kv_heads = queries.shape[-3], keys.shape[-3]
+    if (heads % kv_heads or queries.shape[:-3] != keys.shape[:-3]
+            or queries.shape[-2:] != keys.shape[-2:]):
+        raise ValueError(f"keys and values may have fewer heads (dim -3) than queries, "
+                         f"a whole number of query heads sharing each, and otherwise "
+                         f"the queries' shape; got queries {tuple(queries.shape)}, "
+                         f"keys {tuple(keys.shape)}")
+    return heads // kv_heads
+
+def _share_heads(t:Tensor, groups:int) -> Tensor:
+    "Repeat each key/value head for the `groups` query heads that share it (dim -3)."
+    return t if groups == 1 else t.repeat_interleave(groups, dim=-3)
+
+def _fold_heads(t:Tensor, groups:int) -> Tensor:
+    "Sum each group of `groups` heads into its shared head: `_share_heads` transposed."
+    return t if groups == 1 else t.unflatten(-3, (-1, groups)).sum(-3)
+
 # %% ../nbs/12_distributed.ipynb #02b15f5f
 def _ring_forward(
-    queries:Tensor, # this rank's queries, (..., T_local, head_dim)
-    keys:Tensor,    # this rank's keys, (..., T_local, head_dim)
-    values:Tensor,  # this rank's values, (..., T_local, head_dim)
+    queries:Tensor, # this rank's queries, (..., heads, T_local, head_dim)
+    keys:Tensor,    # this rank's keys, (..., kv_heads, T_local, head_dim)
+    values:Tensor,  # this rank's values, the keys' shape
     causal:bool, order:str, group, # as in ring_attention
 ) -> tuple: # context vectors (..., T_local, head_dim) and L (..., T_local, 1)
     "Fold every rank's key/value block into the online softmax as it passes by."
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     chunk = queries.shape[-2] // len(sequence_chunks(rank, size, order))
+    groups = _kv_groups(queries, keys)
     scale = 1 / math.sqrt(queries.shape[-1])  # the backward's: the same scores twice
     q_chunks = (queries * scale).split(chunk, dim=-2)
     m = [q.new_full(q.shape[:-1] + (1,), -math.inf) for q in q_chunks]  # (.., c, 1)
     l = [torch.zeros_like(mi) for mi in m]                               # (.., c, 1)
     acc = [torch.zeros_like(q) for q in q_chunks]                        # (.., c, hd)
-    block = torch.stack([keys, values])          # (2, ..., T_local, hd): one message
+    block = torch.stack([keys, values])  # (2, ..., kv_heads, T_local, hd): one message
     for step in range(size):
         if step < size - 1: pending, incoming = _pass_on(block, group)  # overlaps
-        k_chunks, v_chunks = block[0].split(chunk, -2), block[1].split(chunk, -2)
+        k_chunks, v_chunks = (_share_heads(t, groups).split(chunk, -2) for t in block)
         for i, j, qc, kc in _ring_pairs(rank, step, size, order, causal):
             attn_scores = _tile_scores(q_chunks[i], k_chunks[j], qc * chunk,
                                        kc * chunk, causal)               # (.., c, c)
@@ -284,6 +311,7 @@ def _ring_backward(
     "Send the key/value blocks round again, with their gradients riding along."
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     chunk = queries.shape[-2] // len(sequence_chunks(rank, size, order))
+    groups = _kv_groups(queries, keys)
     scale = 1 / math.sqrt(queries.shape[-1])
     split = lambda t: list(t.split(chunk, dim=-2))  # views; += writes through
     D = (grad_context * context_vecs).sum(-1, keepdim=True)          # (..., T_local, 1)
@@ -291,20 +319,20 @@ def _ring_backward(
     L, D = split(lse), split(D)
     grad_queries = torch.zeros_like(queries)
     dq = split(grad_queries)                     # views: += writes into grad_queries
-    block = torch.stack([keys, values])          # (2, ..., T_local, hd)
+    block = torch.stack([keys, values])          # (2, ..., kv_heads, T_local, hd)
     grad_block = torch.zeros_like(block)         # dK, dV of the block: travel with it
     for step in range(size):
         if step < size - 1: pending, incoming = _pass_on(block, group)
-        k_chunks, v_chunks = split(block[0]), split(block[1])
+        k_chunks, v_chunks = (split(_share_heads(t, groups)) for t in block)
         dk, dv = split(grad_block[0]), split(grad_block[1])
         for i, j, qc, kc in _ring_pairs(rank, step, size, order, causal):
             attn_scores = _tile_scores(q_chunks[i], k_chunks[j], qc * chunk,
                                        kc * chunk, causal)
             attn_weights = torch.exp(attn_scores - L[i])               # P (.., c, c)
-            dv[j] += attn_weights.transpose(-2, -1) @ dO[i]
+            dv[j] += _fold_heads(attn_weights.transpose(-2, -1) @ dO[i], groups)
             grad_scores = attn_weights * (dO[i] @ v_chunks[j].transpose(-2, -1) - D[i])
             dq[i] += grad_scores @ k_chunks[j] * scale
-            dk[j] += grad_scores.transpose(-2, -1) @ q_chunks[i]
+            dk[j] += _fold_heads(grad_scores.transpose(-2, -1) @ q_chunks[i], groups)
         if size > 1:  # dK, dV go on with their block: home after size passes
             grad_pending, grad_block = _pass_on(grad_block, group, tag=1)
             for p in grad_pending: p.wait()
@@ -334,19 +362,26 @@ class _RingAttention(torch.autograd.Function):
 
 # %% ../nbs/12_distributed.ipynb #310c9fc8
 def ring_attention(
-    queries:Tensor, # this rank's queries, (..., num_tokens // R, head_dim)
-    keys:Tensor,    # this rank's keys, the same shape
-    values:Tensor,  # this rank's values, the same shape
+    queries:Tensor, # this rank's queries, (..., heads, num_tokens // R, head_dim)
+    keys:Tensor,    # this rank's keys: the same shape, or fewer heads (GQA)
+    values:Tensor,  # this rank's values, the keys' shape
     causal:bool=False, # query i sees keys 0..i only, in whole-sequence positions
     order:str='zigzag', # how the sequence was sharded: as in shard_sequence
     group=None, # the ranks of the ring (None: every rank)
 ) -> Tensor: # this rank's context vectors, (..., num_tokens // R, head_dim)
     "Attention over a sequence split across ranks: key/value blocks go round a ring."
-    _check_attention_inputs(queries, keys, values, causal, 1)
-    if not queries.shape == keys.shape == values.shape:
-        raise ValueError(f"queries, keys and values must have one shape here (repeat "
-                         f"shared key/value heads first); got {tuple(queries.shape)}, "
-                         f"{tuple(keys.shape)}, {tuple(values.shape)}")
+    groups = _kv_groups(queries, keys)
+    if groups > 1 and keys.shape != getattr(values, 'shape', None):
+        raise ValueError(f"keys and values must have one shape, as they travel as one "
+                         f"block; got keys {tuple(keys.shape)}, values "
+                         f"{tuple(getattr(values, 'shape', ()))}")
+    one_per_group = queries if groups == 1 else queries[..., ::groups, :, :]  # a view
+    _check_attention_inputs(one_per_group, keys, values, causal, 1)
+    if not keys.shape[-2:] == values.shape[-2:] == queries.shape[-2:]:
+        raise ValueError(f"queries, keys and values must have one num_tokens and one "
+                         f"head_dim: the ring passes one sequence; got queries "
+                         f"{tuple(queries.shape)}, keys {tuple(keys.shape)}, values "
+                         f"{tuple(values.shape)}")
     size = dist.get_world_size(group)
     chunks = len(sequence_chunks(0, size, order))
     if queries.shape[-2] % chunks:
@@ -366,7 +401,7 @@ def _float_error(
 
 # %% ../nbs/12_distributed.ipynb #cfba90bf
 def _sdpa_and_grads(
-    whole:list, # queries, keys and values of the whole sequence, (b, h, T, hd) each
+    whole:list, # queries, keys, values of the whole sequence: (b, h | h_kv, T, hd)
     grad_out:Tensor, # the gradient of the output, (b, h, T, hd)
     causal:bool, # whether query i sees keys 0..i only
     dtype:torch.dtype, # the precision to compute in
@@ -374,25 +409,27 @@ def _sdpa_and_grads(
     "SDPA forward and backward on the whole sequence, in `dtype`."
     import torch.nn.functional as F
     whole = [t.detach().to(dtype).requires_grad_() for t in whole]
-    out = F.scaled_dot_product_attention(*whole, is_causal=causal)
+    grouped = whole[1].shape[1] != whole[0].shape[1]     # fewer key/value heads
+    out = F.scaled_dot_product_attention(*whole, is_causal=causal, enable_gqa=grouped)
     out.backward(grad_out.to(dtype))
     return [out.detach()] + [t.grad for t in whole]
 
 # %% ../nbs/12_distributed.ipynb #d3574d3c
 def check_ring_attention(
     rank:int, world_size:int, # given by run_ranks
-    cases:list, # (num_tokens, dtype, causal, order), one tuple per case
+    cases:list, # (num_tokens, dtype, causal, order, kv_heads), one tuple per case
     seeds:int=1, # random sequences per case, seeded 0, 1, ...
 ) -> list: # per case: {'ring', 'sdpa', 'vs_sdpa'}, the worst over the seeds
     "On each rank: SDPA on the whole sequence, ring attention on this rank's share."
     results = []
-    for num_tokens, dtype, causal, order in cases:
+    for num_tokens, dtype, causal, order, kv_heads in cases:
         shard = lambda t: shard_sequence(t, rank, world_size, order)
         worst = dict.fromkeys(('ring', 'sdpa', 'vs_sdpa'), 0.0)
         for seed in range(seeds):
             torch.manual_seed(seed)  # the same whole sequence on every rank
-            *whole, grad_out = torch.randn(4, 2, 3, num_tokens, 8,
-                                           dtype=dtype).unbind(0)  # q, k, v, dO
+            queries, keys, values, grad_out = torch.randn(4, 2, 3, num_tokens, 8,
+                                                          dtype=dtype)  # 3 heads
+            whole = [queries, keys[:, :kv_heads], values[:, :kv_heads]]
             exact = _sdpa_and_grads(whole, grad_out, causal, torch.float64)
             reference = _sdpa_and_grads(whole, grad_out, causal, dtype)
             mine = [shard(t).requires_grad_() for t in whole]

@@ -1,5 +1,5 @@
 """The splits of nbs/12_distributed.ipynb on gloo CPU ranks (forked from a server process): ring attention against SDPA on 2 ranks for every
-order, mask and dtype over five seeds, tensor parallelism on 4 ranks, run_ranks's errors and timeout; and every check on one rank
+order, mask, dtype and key/value head count over five seeds, tensor parallelism on 4 ranks, run_ranks's errors and timeout; and every check on one rank
 in this process, so that coverage sees the code the ranks run.
 
 Ring attention's bars: in float32 within atol = rtol = 1e-6 of the float64 answer (the bar PyTorch's own float32 SDPA meets;
@@ -15,21 +15,21 @@ from selfattn_nbdev.distributed import (_rank_main, check_fsdp, check_ring_atten
 from selfattn_nbdev.multihead import MultiHeadAttention
 
 SMALL = dict(d_in=16, d_out=32, context_length=8, num_heads=4)
-CASES = [(T, dtype, causal, order) for T in (8, 16, 64) for dtype in (torch.float32, torch.float64)
-         for causal in (False, True) for order in ('contiguous', 'zigzag')]
+CASES = [(T, dtype, causal, order, kv_heads) for T in (8, 16, 64) for dtype in (torch.float32, torch.float64)
+         for causal in (False, True) for order in ('contiguous', 'zigzag') for kv_heads in (3, 1)]  # 3 query heads
 
 
 def assert_ring_within_bars(results, cases):
     "float32: the ring's error against the float64 answer below 1e-6; float64: equal to SDPA to 1e-12."
-    for r, (num_tokens, dtype, causal, order) in zip(results, cases):
-        case = f'{num_tokens} tokens, {dtype}, causal={causal}, {order}: {r}'
+    for r, (num_tokens, dtype, causal, order, kv_heads) in zip(results, cases):
+        case = f'{num_tokens} tokens, {dtype}, causal={causal}, {order}, {kv_heads} kv heads: {r}'
         if dtype == torch.float32: assert r['ring'] < 1e-6, case
         else: assert r['vs_sdpa'] < 1e-12 and r['ring'] < 1e-12, case
 
 
 @pytest.mark.slow  # starts 2 ranks; make test runs the notebook's 4 ranks, CI both
 def test_ring_attention_two_ranks():
-    "Forward and backward equal SDPA on the whole sequence: 24 cases of five seeds each, one start of the ranks."
+    "Forward and backward equal SDPA on the whole sequence: 48 cases (GQA among them) of five seeds each, one start of the ranks."
     for rank_results in run_ranks(check_ring_attention, 2, CASES, 5): assert_ring_within_bars(rank_results, CASES)
 
 
@@ -61,7 +61,7 @@ def one_rank():
 
 def test_checks_on_one_rank(one_rank):
     "Every check in this process on one rank (the code the ranks run, under coverage)."
-    cases = CASES[:8:2] + CASES[-8::3]
+    cases = CASES[:16:3] + CASES[-16::5]
     assert_ring_within_bars(check_ring_attention(0, 1, cases, 2), cases)
     r = check_tensor_parallel(0, 1, [dict(SMALL, num_kv_heads=2, rope=True)])[0]
     assert r['output'] == r['grad'] == 0.0 and r['local_heads'] == (4, 2)

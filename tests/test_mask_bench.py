@@ -1,4 +1,5 @@
-"""bench/gpu.py runs anywhere with --small (here on CPU) and writes its JSON with the device's name."""
+"""The benchmarks run anywhere with --small (here on CPU): bench/gpu.py writes its JSON with the device's name; the GPU probes
+and bench/distributed.py print theirs."""
 import json
 import subprocess
 import sys
@@ -27,3 +28,15 @@ def test_gpu_probes_run_small_on_cpu(probe):
                          text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert ' ms' in res.stdout
+
+
+@pytest.mark.slow
+def test_distributed_bench_runs_small():
+    "bench/distributed.py starts its ranks from an importable module (run_ranks refuses __main__'s functions); GQA's bytes."
+    res = subprocess.run([sys.executable, str(ROOT / 'bench' / 'distributed.py'), '--small'], capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout)
+    assert out['tp']['calls'] == {'all_reduce': 4}
+    for per_rank in out['ring'].values():   # 8 query heads, 2 key/value heads: a quarter of the bytes
+        assert per_rank[0]['bytes_heads_repeated'] == 4 * per_rank[0]['bytes'] > 0

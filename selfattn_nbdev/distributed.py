@@ -4,7 +4,8 @@
 
 # %% auto #0
 __all__ = ['free_port', 'run_ranks', 'tp_plan', 'check_tp_degree', 'tensor_parallel', 'check_tensor_parallel', 'sequence_chunks',
-           'shard_sequence', 'unshard_sequence', 'ring_attention', 'check_ring_attention', 'check_fsdp']
+           'shard_sequence', 'unshard_sequence', 'ring_attention', 'check_ring_attention', 'context_parallel',
+           'check_context_parallel', 'check_fsdp']
 
 # %% ../nbs/12_distributed.ipynb #56ff8b44
 import importlib
@@ -23,7 +24,9 @@ import torch.multiprocessing as mp
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
-from .core import check_size
+from .causal import check_context
+from .core import check_size, check_tokens
+from .modern import rope_rotate
 from .multihead import MultiHeadAttention
 from .tiled import (_check_attention_inputs, _tile_scores,
                                   online_softmax_step)
@@ -441,6 +444,69 @@ def check_ring_attention(
                                vs_sdpa=_max_diff(a, shard(r)))
                 worst = {k: max(worst[k], figures[k]) for k in worst}
         results.append(worst)
+    return results
+
+# %% ../nbs/12_distributed.ipynb #0441153c
+def context_parallel(
+    module:MultiHeadAttention, # the layer, with its whole weights on every rank
+    x:Tensor, # this rank's tokens, (batch, num_tokens // R, d_in), from shard_sequence
+    order:str='zigzag', # how the sequence was sharded: as in shard_sequence
+    group=None, # the ranks of the ring (None: every rank)
+) -> Tensor: # this rank's share of the layer's output, (batch, num_tokens // R, d_out)
+    "`module` on a sequence split across ranks: every step here but attention's ring."
+    weight = module.W_query.weight
+    check_tokens(x, module.d_in, weight.dtype, weight.device)
+    if x.dim() != 3:
+        raise ValueError(f"x must be batched, (batch, num_tokens // R, d_in); got "
+                         f"shape {tuple(x.shape)}")
+    refused = {'window': module.window is not None,
+               'dropout': module.training and module.dropout.p > 0}
+    if any(refused.values()):
+        name = next(k for k, v in refused.items() if v)
+        raise ValueError(f"context_parallel runs causal or full attention without "
+                         f"{name}; got window={module.window}, dropout="
+                         f"{module.dropout.p} (training={module.training})")
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    num_tokens = size * x.shape[1]                       # the whole sequence's length
+    check_context(num_tokens, module.context_length)
+    queries = module._split_heads(module.W_query(x))     # (b, heads, T_local, hd)
+    keys = module._split_heads(module.W_key(x))          # (b, kv_heads, T_local, hd)
+    values = module._split_heads(module.W_value(x))      # (b, kv_heads, T_local, hd)
+    if module.rope:  # each token turns by its place in the whole sequence
+        everywhere = torch.arange(num_tokens, device=x.device)[:, None]  # (T, 1)
+        positions = shard_sequence(everywhere, rank, size, order)[:, 0]  # (T_local,)
+        cos, sin = module._rope_table(num_tokens, queries)
+        cos, sin = cos[positions], sin[positions]                  # (T_local, hd)
+        queries, keys = rope_rotate(queries, cos, sin), rope_rotate(keys, cos, sin)
+    context_vecs = ring_attention(queries, keys, values, module.causal, order, group)
+    return module.out_proj(module._merge_heads(context_vecs))   # (b, T_local, d_out)
+
+# %% ../nbs/12_distributed.ipynb #011d0651
+def check_context_parallel(
+    rank:int, world_size:int, # given by run_ranks
+    configs:list, # MultiHeadAttention keyword arguments, one dict per layer tried
+) -> list: # per config: the largest differences from the layer on the whole sequence
+    "On each rank: the layer on the whole sequence, and `context_parallel` on a share."
+    results = []
+    for config in configs:
+        torch.manual_seed(0)  # the same weights and tokens on every rank
+        module = MultiHeadAttention(**config).double()
+        x = torch.randn(2, config['context_length'], config['d_in'],
+                        dtype=torch.float64, requires_grad=True)
+        whole = module(x)
+        (whole ** 2).sum().backward()
+        whole_grads = {n: p.grad.clone() for n, p in module.named_parameters()}
+        module.zero_grad()
+        mine = shard_sequence(x.detach(), rank, world_size).requires_grad_()
+        out = context_parallel(module, mine)
+        (out ** 2).sum().backward()   # this rank's tokens' share of the same loss
+        for p in module.parameters(): dist.all_reduce(p.grad)  # summed over ranks
+        shard = lambda t: shard_sequence(t, rank, world_size)
+        results.append({
+            'output': _max_diff(out, shard(whole)),
+            'grad_x': _max_diff(mine.grad, shard(x.grad)),
+            'grad_weights': max(_max_diff(p.grad, whole_grads[n])
+                                for n, p in module.named_parameters())})
     return results
 
 # %% ../nbs/12_distributed.ipynb #15be917e

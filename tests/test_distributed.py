@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from selfattn_nbdev.distributed import (_rank_main, check_fsdp, check_ring_attention, check_tensor_parallel,
-                                        free_port, run_ranks, tensor_parallel)
+from selfattn_nbdev.distributed import (_rank_main, check_context_parallel, check_fsdp, check_ring_attention,
+                                        check_tensor_parallel, free_port, run_ranks, tensor_parallel)
 from selfattn_nbdev.multihead import MultiHeadAttention
 
 SMALL = dict(d_in=16, d_out=32, context_length=8, num_heads=4)
@@ -31,6 +31,14 @@ def assert_ring_within_bars(results, cases):
 def test_ring_attention_two_ranks():
     "Forward and backward equal SDPA on the whole sequence: 48 cases (GQA among them) of five seeds each, one start of the ranks."
     for rank_results in run_ranks(check_ring_attention, 2, CASES, 5): assert_ring_within_bars(rank_results, CASES)
+
+
+@pytest.mark.slow
+def test_context_parallel_two_ranks():
+    "A causal GQA layer with RoPE (8 query heads, 2 key/value heads) on 2 ranks: output and gradients equal the whole layer's."
+    config = dict(d_in=16, d_out=32, context_length=12, num_heads=8, num_kv_heads=2, rope=True, out_bias=False)
+    for rank_results in run_ranks(check_context_parallel, 2, [config]):
+        assert max(rank_results[0].values()) < 1e-12, rank_results
 
 
 @pytest.mark.slow
@@ -65,6 +73,8 @@ def test_checks_on_one_rank(one_rank):
     assert_ring_within_bars(check_ring_attention(0, 1, cases, 2), cases)
     r = check_tensor_parallel(0, 1, [dict(SMALL, num_kv_heads=2, rope=True)])[0]
     assert r['output'] == r['grad'] == 0.0 and r['local_heads'] == (4, 2)
+    r = check_context_parallel(0, 1, [dict(SMALL, num_kv_heads=2, rope=True)])[0]
+    assert max(r.values()) < 1e-12, r
     r = check_fsdp(0, 1, SMALL, steps=2)
     assert r['loaded'] == r['params'] == r['loss'] == 0.0 and r['shard_rows'] == 32
 

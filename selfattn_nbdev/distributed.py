@@ -249,15 +249,15 @@ def _pass_on(
 def _kv_groups(
     queries:Tensor, keys:Tensor, # as given to ring_attention
 ) -> int: # query heads per key/value head: 1 unless the keys have fewer heads
-    "How many query heads share each key/value head (dim -3), or a clear error."
+    "How many query heads share each key/value head (b, heads, T, hd), or an error."
     if (not isinstance(queries, Tensor) or not isinstance(keys, Tensor)
-            or queries.dim() < 3 or keys.dim() != queries.dim()
-            or queries.shape[-3] == keys.shape[-3]):
+            or queries.dim() != 4 or keys.dim() != 4
+            or queries.shape[1] in (0, keys.shape[1]) or keys.shape[1] == 0):
         return 1                            # nothing grouped: the usual checks judge
     heads, kv_heads = queries.shape[-3], keys.shape[-3]
     if (heads % kv_heads or queries.shape[:-3] != keys.shape[:-3]
             or queries.shape[-2:] != keys.shape[-2:]):
-        raise ValueError(f"keys and values may have fewer heads (dim -3) than queries, "
+        raise ValueError(f"keys and values may have fewer heads (dim 1) than queries, "
                          f"a whole number of query heads sharing each, and otherwise "
                          f"the queries' shape; got queries {tuple(queries.shape)}, "
                          f"keys {tuple(keys.shape)}")
@@ -365,8 +365,8 @@ class _RingAttention(torch.autograd.Function):
 
 # %% ../nbs/12_distributed.ipynb #310c9fc8
 def ring_attention(
-    queries:Tensor, # this rank's queries, (..., heads, num_tokens // R, head_dim)
-    keys:Tensor,    # this rank's keys: the same shape, or fewer heads (GQA)
+    queries:Tensor, # this rank's queries, (..., num_tokens // R, head_dim)
+    keys:Tensor,    # this rank's keys: the queries' shape; (b, h, T, hd): fewer h ok
     values:Tensor,  # this rank's values, the keys' shape
     causal:bool=False, # query i sees keys 0..i only, in whole-sequence positions
     order:str='zigzag', # how the sequence was sharded: as in shard_sequence
@@ -374,17 +374,17 @@ def ring_attention(
 ) -> Tensor: # this rank's context vectors, (..., num_tokens // R, head_dim)
     "Attention over a sequence split across ranks: key/value blocks go round a ring."
     groups = _kv_groups(queries, keys)
-    if groups > 1 and keys.shape != getattr(values, 'shape', None):
+    if (isinstance(keys, Tensor) and isinstance(values, Tensor)
+            and keys.shape != values.shape):
         raise ValueError(f"keys and values must have one shape, as they travel as one "
                          f"block; got keys {tuple(keys.shape)}, values "
-                         f"{tuple(getattr(values, 'shape', ()))}")
-    one_per_group = queries if groups == 1 else queries[..., ::groups, :, :]  # a view
-    _check_attention_inputs(one_per_group, keys, values, causal, 1)
-    if not keys.shape[-2:] == values.shape[-2:] == queries.shape[-2:]:
-        raise ValueError(f"queries, keys and values must have one num_tokens and one "
-                         f"head_dim: the ring passes one sequence; got queries "
-                         f"{tuple(queries.shape)}, keys {tuple(keys.shape)}, values "
                          f"{tuple(values.shape)}")
+    one_per_group = queries if groups == 1 else queries[:, ::groups]  # a view
+    _check_attention_inputs(one_per_group, keys, values, causal, 1)
+    if queries.shape[-2] != keys.shape[-2]:
+        raise ValueError(f"queries and keys must have one num_tokens: the ring passes "
+                         f"one sequence; got queries {tuple(queries.shape)}, keys "
+                         f"{tuple(keys.shape)}")
     size = dist.get_world_size(group)
     chunks = len(sequence_chunks(0, size, order))
     if queries.shape[-2] % chunks:
@@ -420,18 +420,21 @@ def _sdpa_and_grads(
 # %% ../nbs/12_distributed.ipynb #d3574d3c
 def check_ring_attention(
     rank:int, world_size:int, # given by run_ranks
-    cases:list, # (num_tokens, dtype, causal, order, kv_heads), one tuple per case
+    cases:list, # (num_tokens, dtype, causal, order, kv_heads): 4 query heads, kv_heads
     seeds:int=1, # random sequences per case, seeded 0, 1, ...
 ) -> list: # per case: {'ring', 'sdpa', 'vs_sdpa'}, the worst over the seeds
     "On each rank: SDPA on the whole sequence, ring attention on this rank's share."
     results = []
     for num_tokens, dtype, causal, order, kv_heads in cases:
+        if kv_heads not in (1, 2, 4):
+            raise ValueError(f"4 query heads share 1, 2 or 4 key/value heads; got "
+                             f"kv_heads={kv_heads}")
         shard = lambda t: shard_sequence(t, rank, world_size, order)
         worst = dict.fromkeys(('ring', 'sdpa', 'vs_sdpa'), 0.0)
         for seed in range(seeds):
             torch.manual_seed(seed)  # the same whole sequence on every rank
-            queries, keys, values, grad_out = torch.randn(4, 2, 3, num_tokens, 8,
-                                                          dtype=dtype)  # 3 heads
+            queries, keys, values, grad_out = torch.randn(4, 2, 4, num_tokens, 8,
+                                                          dtype=dtype)  # 4 heads
             whole = [queries, keys[:, :kv_heads], values[:, :kv_heads]]
             exact = _sdpa_and_grads(whole, grad_out, causal, torch.float64)
             reference = _sdpa_and_grads(whole, grad_out, causal, dtype)
@@ -449,16 +452,16 @@ def check_ring_attention(
 # %% ../nbs/12_distributed.ipynb #0441153c
 def context_parallel(
     module:MultiHeadAttention, # the layer, with its whole weights on every rank
-    x:Tensor, # this rank's tokens, (batch, num_tokens // R, d_in), from shard_sequence
+    x:Tensor, # this rank's tokens, ([batch,] num_tokens // R, d_in): shard_sequence
     order:str='zigzag', # how the sequence was sharded: as in shard_sequence
     group=None, # the ranks of the ring (None: every rank)
-) -> Tensor: # this rank's share of the layer's output, (batch, num_tokens // R, d_out)
-    "`module` on a sequence split across ranks: every step here but attention's ring."
+) -> Tensor: # this rank's share of the output, ([batch,] num_tokens // R, d_out)
+    "`module` on this rank's share of a sequence; the weights' gradients are its share."
+    if not isinstance(module, MultiHeadAttention):
+        raise TypeError(f"module must be a MultiHeadAttention; got "
+                        f"{type(module).__name__}")
     weight = module.W_query.weight
     check_tokens(x, module.d_in, weight.dtype, weight.device)
-    if x.dim() != 3:
-        raise ValueError(f"x must be batched, (batch, num_tokens // R, d_in); got "
-                         f"shape {tuple(x.shape)}")
     refused = {'window': module.window is not None,
                'dropout': module.training and module.dropout.p > 0}
     if any(refused.values()):
@@ -467,8 +470,15 @@ def context_parallel(
                          f"{name}; got window={module.window}, dropout="
                          f"{module.dropout.p} (training={module.training})")
     rank, size = dist.get_rank(group), dist.get_world_size(group)
-    num_tokens = size * x.shape[1]                       # the whole sequence's length
+    chunks, num_local = len(sequence_chunks(rank, size, order)), x.shape[-2]
+    if num_local == 0 or num_local % chunks:
+        raise ValueError(f"{order} order gives every rank {chunks} equal chunks, so x "
+                         f"must hold a positive multiple of {chunks} tokens; got "
+                         f"{num_local}")
+    num_tokens = size * num_local                        # the whole sequence's length
     check_context(num_tokens, module.context_length)
+    unbatched = x.dim() == 2
+    if unbatched: x = x.unsqueeze(0)                     # (1, T_local, d_in)
     queries = module._split_heads(module.W_query(x))     # (b, heads, T_local, hd)
     keys = module._split_heads(module.W_key(x))          # (b, kv_heads, T_local, hd)
     values = module._split_heads(module.W_value(x))      # (b, kv_heads, T_local, hd)
@@ -479,12 +489,14 @@ def context_parallel(
         cos, sin = cos[positions], sin[positions]                  # (T_local, hd)
         queries, keys = rope_rotate(queries, cos, sin), rope_rotate(keys, cos, sin)
     context_vecs = ring_attention(queries, keys, values, module.causal, order, group)
-    return module.out_proj(module._merge_heads(context_vecs))   # (b, T_local, d_out)
+    out = module.out_proj(module._merge_heads(context_vecs))    # (b, T_local, d_out)
+    return out.squeeze(0) if unbatched else out
 
 # %% ../nbs/12_distributed.ipynb #011d0651
 def check_context_parallel(
     rank:int, world_size:int, # given by run_ranks
     configs:list, # MultiHeadAttention keyword arguments, one dict per layer tried
+    order:str='zigzag', # how the sequence is sharded: as in shard_sequence
 ) -> list: # per config: the largest differences from the layer on the whole sequence
     "On each rank: the layer on the whole sequence, and `context_parallel` on a share."
     results = []
@@ -497,11 +509,11 @@ def check_context_parallel(
         (whole ** 2).sum().backward()
         whole_grads = {n: p.grad.clone() for n, p in module.named_parameters()}
         module.zero_grad()
-        mine = shard_sequence(x.detach(), rank, world_size).requires_grad_()
-        out = context_parallel(module, mine)
+        shard = lambda t: shard_sequence(t, rank, world_size, order)
+        mine = shard(x.detach()).requires_grad_()
+        out = context_parallel(module, mine, order)
         (out ** 2).sum().backward()   # this rank's tokens' share of the same loss
         for p in module.parameters(): dist.all_reduce(p.grad)  # summed over ranks
-        shard = lambda t: shard_sequence(t, rank, world_size)
         results.append({
             'output': _max_diff(out, shard(whole)),
             'grad_x': _max_diff(mine.grad, shard(x.grad)),

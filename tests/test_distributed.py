@@ -2,8 +2,9 @@
 order, mask, dtype and key/value head count over five seeds, tensor parallelism on 4 ranks, run_ranks's errors and timeout; and every check on one rank
 in this process, so that coverage sees the code the ranks run.
 
-Ring attention's bars: in float32 within atol = rtol = 1e-6 of the float64 answer (the bar PyTorch's own float32 SDPA meets;
-an absolute 1e-6 between two float32 results fails even the correctly rounded answer); in float64 within 1e-12 of SDPA, absolutely."""
+Ring attention's bars: in float32 within atol = rtol = 1e-6 of the float64 answer (the bar PyTorch's own float32 SDPA meets
+at these sizes; an absolute 1e-6 between two float32 results fails even the correctly rounded answer), or within 1.5 times
+SDPA's own error where that comes near 1e-6; in float64 within 1e-12 of SDPA, absolutely."""
 import os, tempfile
 
 import pytest
@@ -16,29 +17,32 @@ from selfattn_nbdev.multihead import MultiHeadAttention
 
 SMALL = dict(d_in=16, d_out=32, context_length=8, num_heads=4)
 CASES = [(T, dtype, causal, order, kv_heads) for T in (8, 16, 64) for dtype in (torch.float32, torch.float64)
-         for causal in (False, True) for order in ('contiguous', 'zigzag') for kv_heads in (3, 1)]  # 3 query heads
+         for causal in (False, True) for order in ('contiguous', 'zigzag') for kv_heads in (4, 2)]  # 4 query heads
 
 
 def assert_ring_within_bars(results, cases):
-    "float32: the ring's error against the float64 answer below 1e-6; float64: equal to SDPA to 1e-12."
+    """float32: the ring's error against the float64 answer below 1e-6, or where SDPA's own float32 error comes near
+    that (64 tokens with shared heads: 1.1e-6), within 1.5 times SDPA's (1.33 times at most, measured over 10 seeds up
+    to 128 tokens on 1, 2 and 4 ranks); float64: equal to SDPA to 1e-12."""
     for r, (num_tokens, dtype, causal, order, kv_heads) in zip(results, cases):
         case = f'{num_tokens} tokens, {dtype}, causal={causal}, {order}, {kv_heads} kv heads: {r}'
-        if dtype == torch.float32: assert r['ring'] < 1e-6, case
+        if dtype == torch.float32: assert r['ring'] < max(1e-6, 1.5 * r['sdpa']), case
         else: assert r['vs_sdpa'] < 1e-12 and r['ring'] < 1e-12, case
 
 
 @pytest.mark.slow  # starts 2 ranks; make test runs the notebook's 4 ranks, CI both
 def test_ring_attention_two_ranks():
-    "Forward and backward equal SDPA on the whole sequence: 48 cases (GQA among them) of five seeds each, one start of the ranks."
+    "Forward and backward equal SDPA on the whole sequence: 48 cases (half of them GQA) of five seeds each, one start of the ranks."
     for rank_results in run_ranks(check_ring_attention, 2, CASES, 5): assert_ring_within_bars(rank_results, CASES)
 
 
 @pytest.mark.slow
 def test_context_parallel_two_ranks():
-    "A causal GQA layer with RoPE (8 query heads, 2 key/value heads) on 2 ranks: output and gradients equal the whole layer's."
+    "A causal GQA layer with RoPE (8 query heads, 2 key/value heads) on 2 ranks, both orders: output and gradients equal the whole layer's."
     config = dict(d_in=16, d_out=32, context_length=12, num_heads=8, num_kv_heads=2, rope=True, out_bias=False)
-    for rank_results in run_ranks(check_context_parallel, 2, [config]):
-        assert max(rank_results[0].values()) < 1e-12, rank_results
+    for order in ('zigzag', 'contiguous'):  # RoPE's positions follow the order
+        for rank_results in run_ranks(check_context_parallel, 2, [config], order):
+            assert max(rank_results[0].values()) < 1e-12, (order, rank_results)
 
 
 @pytest.mark.slow

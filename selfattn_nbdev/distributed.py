@@ -39,6 +39,11 @@ def free_port() -> int: # a TCP port on 127.0.0.1 that nothing listens on right 
         return s.getsockname()[1]
 
 # %% ../nbs/12_distributed.ipynb #94b747d4
+def _save_whole(obj, path:str) -> None:
+    "Save under a temporary name, then rename: a rank killed mid-write leaves no file."
+    torch.save(obj, path + '.part')
+    os.replace(path + '.part', path)
+
 def _rank_main(rank, world_size, port, fn, args, folder, timeout):
     "One rank: join the gloo group, run `fn`, save its result or its traceback."
     torch.set_num_threads(1)  # the ranks share the machine's cores
@@ -48,9 +53,9 @@ def _rank_main(rank, world_size, port, fn, args, folder, timeout):
                                 rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout))
         result = fn(rank, world_size, *args)
-        torch.save({'result': result}, path)
+        _save_whole({'result': result}, path)
     except BaseException:
-        torch.save({'error': traceback.format_exc()}, path)
+        _save_whole({'error': traceback.format_exc()}, path)
         raise SystemExit(1)
     finally:
         if dist.is_initialized(): dist.destroy_process_group()

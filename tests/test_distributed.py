@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from selfattn_nbdev.distributed import (_rank_main, check_context_parallel, check_fsdp, check_ring_attention,
+from selfattn_nbdev.distributed import (_rank_main, _save_whole, check_context_parallel, check_fsdp, check_ring_attention,
                                         check_tensor_parallel, free_port, run_ranks, tensor_parallel)
 from selfattn_nbdev.multihead import MultiHeadAttention
 
@@ -98,3 +98,13 @@ def test_rank_main_saves_result_and_error():
         with pytest.raises(SystemExit):
             _rank_main(0, 1, free_port(), check_fsdp, ({},), folder, 30)
         assert 'TypeError' in torch.load(os.path.join(folder, 'rank0.pt'), weights_only=False)['error']
+
+
+def test_a_failed_save_leaves_no_result_file():
+    "A save that stops halfway (here: a lambda cannot be pickled) leaves no file where run_ranks looks for results."
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, 'rank0.pt')
+        with pytest.raises(Exception): _save_whole({'result': lambda: 0}, path)
+        assert not os.path.exists(path)
+        _save_whole({'result': 1}, path)
+        assert torch.load(path)['result'] == 1 and not os.path.exists(path + '.part')

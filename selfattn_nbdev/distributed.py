@@ -26,7 +26,7 @@ from torch.autograd.function import once_differentiable
 
 from .causal import check_context
 from .core import check_size, check_tokens
-from .modern import rope_rotate
+from .modern import repeat_kv
 from .multihead import MultiHeadAttention
 from .tiled import (_check_attention_inputs, _tile_scores,
                                   online_softmax_step)
@@ -269,8 +269,8 @@ def _kv_groups(
     return heads // kv_heads
 
 def _share_heads(t:Tensor, groups:int) -> Tensor:
-    "Repeat each key/value head for the `groups` query heads that share it (dim -3)."
-    return t if groups == 1 else t.repeat_interleave(groups, dim=-3)
+    "`repeat_kv` where heads are grouped; any other tensor as it is (groups = 1)."
+    return t if groups == 1 else repeat_kv(t, groups)
 
 def _fold_heads(t:Tensor, groups:int) -> Tensor:
     "Sum each group of `groups` heads into its shared head: `_share_heads` transposed."
@@ -484,15 +484,9 @@ def context_parallel(
     check_context(num_tokens, module.context_length)
     unbatched = x.dim() == 2
     if unbatched: x = x.unsqueeze(0)                     # (1, T_local, d_in)
-    queries = module._split_heads(module.W_query(x))     # (b, heads, T_local, hd)
-    keys = module._split_heads(module.W_key(x))          # (b, kv_heads, T_local, hd)
-    values = module._split_heads(module.W_value(x))      # (b, kv_heads, T_local, hd)
-    if module.rope:  # each token turns by its place in the whole sequence
-        everywhere = torch.arange(num_tokens, device=x.device)[:, None]  # (T, 1)
-        positions = shard_sequence(everywhere, rank, size, order)[:, 0]  # (T_local,)
-        cos, sin = module._rope_table(num_tokens, queries)
-        cos, sin = cos[positions], sin[positions]                  # (T_local, hd)
-        queries, keys = rope_rotate(queries, cos, sin), rope_rotate(keys, cos, sin)
+    everywhere = torch.arange(num_tokens, device=x.device)[:, None]     # (T, 1)
+    positions = shard_sequence(everywhere, rank, size, order)[:, 0]     # (T_local,)
+    queries, keys, values = module._project(x, positions[None])  # RoPE: these places
     context_vecs = ring_attention(queries, keys, values, module.causal, order, group)
     out = module.out_proj(module._merge_heads(context_vecs))    # (b, T_local, d_out)
     return out.squeeze(0) if unbatched else out

@@ -199,6 +199,22 @@ class MultiHeadAttention(nn.Module):
             self._rope_cache = table
         return table
 
+    def _project(self,
+                 x:Tensor, # tokens, (b, num_tokens, d_in)
+                 positions:Tensor|None=None, # RoPE's (b | 1, T); None: 0 .. T-1
+                ) -> tuple: # queries (b, heads, T, hd); keys, values (b, kv, T, hd)
+        "Queries, keys and values of `x` in heads; with RoPE, queries and keys turned."
+        queries = self._split_heads(self.W_query(x))       # (b, heads, T, head_dim)
+        keys = self._split_heads(self.W_key(x))            # (b, kv_heads, T, hd)
+        values = self._split_heads(self.W_value(x))        # (b, kv_heads, T, hd)
+        if self.rope:  # turn each query and key by the angle of its position
+            cos, sin = self._rope_table(self.context_length, queries)  # (positions, hd)
+            if positions is None: cos, sin = cos[:x.shape[1]], sin[:x.shape[1]]
+            else:  # (b | 1, 1, T, hd)
+                cos, sin = cos[positions][:, None], sin[positions][:, None]
+            queries, keys = rope_rotate(queries, cos, sin), rope_rotate(keys, cos, sin)
+        return queries, keys, values
+
     def _masks(self,
                num_tokens:int, # number of queries
                key_padding_mask:Tensor|None, # bool (b, num_tokens), True = padding
@@ -303,20 +319,12 @@ class MultiHeadAttention(nn.Module):
                              "generate each document on its own")
         if key_padding_mask is not None:  # NaN or inf in padding must not reach a sum
             x = torch.where(key_padding_mask[..., None], x.nan_to_num(0.0, 0.0, 0.0), x)
-        queries = self._split_heads(self.W_query(x))       # (b, heads, T, head_dim)
-        keys = self._split_heads(self.W_key(x))            # (b, kv_heads, T, hd)
-        values = self._split_heads(self.W_value(x))        # (b, kv_heads, T, hd)
-        if self.rope:  # turn each query and key by the angle of its position
-            cos, sin = self._rope_table(self.context_length, queries)  # (positions, hd)
-            if cache is not None:  # where the new tokens stand: (b | 1, T)
-                positions = cache.positions(x.shape[1], x.device)
-            elif document_ids is not None:  # restarting at 0 with every document
-                positions = document_positions(document_ids)         # (b, T)
-            else: positions = None
-            if positions is None: cos, sin = cos[:x.shape[1]], sin[:x.shape[1]]
-            else:  # (b | 1, 1, T, hd)
-                cos, sin = cos[positions][:, None], sin[positions][:, None]
-            queries, keys = rope_rotate(queries, cos, sin), rope_rotate(keys, cos, sin)
+        positions = None  # RoPE's positions: 0 .. T - 1 unless a cache or documents say
+        if self.rope and cache is not None:  # where the new tokens stand: (b | 1, T)
+            positions = cache.positions(x.shape[1], x.device)
+        elif self.rope and document_ids is not None:  # restarting at 0 in each document
+            positions = document_positions(document_ids)             # (b, T)
+        queries, keys, values = self._project(x, positions)
         allowed = None  # None: the mask follows from the shapes
         if cache is not None:  # the keys in reach (b, kv, keys, hd), and which to see
             keys, values, allowed = cache.update(keys, values, self.window)

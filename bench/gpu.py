@@ -1,6 +1,7 @@
 """On a CUDA GPU: the masks of bench/masks.py (ours vs the best kernel for each) and GPT-2's decode step.
 
     python bench/gpu.py            # on a CUDA GPU: batch 8, d_model 1,024, 16 heads, bfloat16; writes bench/gpu.json
+                                   # (keeping the fields added there by hand: probes, code, measured, cuda_tests)
     python bench/gpu.py --small    # anywhere (CPU too): tiny sizes, float32, a smoke test (writes to --out)
 
 Cases (causal): no padding at T = 8,192 (ours vs projections + SDPA is_causal); 22 % key padding at T = 8,192 and
@@ -39,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from selfattn_nbdev.masks import (and_masks, causal, flex_attend, flex_mode, key_padding, sliding_window,
                                   varlen_attend)  # noqa: E402
+from selfattn_nbdev.modern import repeat_kv  # noqa: E402
 from selfattn_nbdev.multihead import MultiHeadAttention  # noqa: E402
 from selfattn_nbdev.generation import TinyGPT  # noqa: E402
 from selfattn_nbdev.pretrained import GPT2  # noqa: E402
@@ -170,7 +172,7 @@ def decode_section(cuda, device, dtype, device_name, save=lambda result: None) -
 
 
 def masks_section(cuda, device, dtype, batch, d_model, heads, save) -> list:
-    """The six cases of the top, each as a row: ours (the module's fused path), the best kernel for the mask, and
+    """The seven cases of the top, each as a row: ours (the module's fused path), the best kernel for the mask, and
     for a masked case SDPA with the dense mask (the fused path before masks were functions); times, peak memory,
     and the largest difference between ours and the best at the real positions. A case that fails is recorded
     with its error and the next one runs. `save(rows)` is called after every row."""
@@ -205,8 +207,7 @@ def mask_case(cuda, device, dtype, batch, d_model, heads, T, window, padded, kv_
         ours_fn = lambda: m(x, key_padding_mask=pad)
         row['ours_s'], row['ours_peak_bytes'] = timed(ours_fn, reps, cuda)
         def projected(attend):  # x -> the projections -> attend(q, k, v) -> out_proj, all timed
-            q, k, v = m._split_heads(m.W_query(x)), m._split_heads(m.W_key(x)), m._split_heads(m.W_value(x))
-            return m.out_proj(m._merge_heads(attend(q, k, v)))
+            return m.out_proj(m._merge_heads(attend(*m._project(x))))
         if padded and cuda:
             best = lambda: projected(lambda q, k, v: varlen_attend(q, k, v, pad, True))
             row['best'] = 'varlen flash attention'
@@ -223,10 +224,10 @@ def mask_case(cuda, device, dtype, batch, d_model, heads, T, window, padded, kv_
         real = slice(None) if pad is None else ~pad                     # the real positions
         row['max_diff'] = (ours_fn()[real].float() - best()[real].float()).abs().max().item()
         if padded or window:                                            # the dense mask, as before
-            blocked, dead = m._masks(T, pad, T)
+            blocked, _ = m._masks(T, pad, T)
             groups = heads // m.num_kv_heads
             dense = lambda: projected(lambda q, k, v: F.scaled_dot_product_attention(
-                q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), attn_mask=~blocked))
+                q, repeat_kv(k, groups), repeat_kv(v, groups), attn_mask=~blocked))
             row['dense_s'], row['dense_peak_bytes'] = timed(dense, reps, cuda)
         if padded:                                                      # and FlexAttention for padding
             mask_mod = and_masks(causal, key_padding(pad))
@@ -247,7 +248,9 @@ def main():
     device_name = torch.cuda.get_device_name() if cuda else f'CPU (small sizes, {torch.get_num_threads()} threads)'
     result = {'device': device_name, 'torch': torch.__version__, 'dtype': str(dtype), 'batch': batch,
               'd_model': d_model, 'heads': heads, 'rows': [], 'decode': None}
-    save = lambda: Path(args.out).write_text(json.dumps(result, indent=1) + '\n')  # after every part: a run
+    kept = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else {}
+    kept = {k: v for k, v in kept.items() if k not in result}  # added by hand: probes, code...
+    save = lambda: Path(args.out).write_text(json.dumps({**kept, **result}, indent=1) + '\n')  # a run
     if args.part != 'decode':                                                     # cut short keeps the rest
         masks_section(cuda, device, dtype, batch, d_model, heads, lambda rows: (result.update(rows=rows), save()))
     if args.part != 'masks':

@@ -14,7 +14,6 @@ import inspect
 import math
 import warnings
 import contextlib
-from contextlib import contextmanager
 from typing import Callable, NamedTuple
 
 import torch
@@ -202,7 +201,7 @@ _flex = {'mode': 'auto', 'compiled': None, 'block_masks': {},
          'last': (None, (), None, None)}  # the last per-batch block mask
 FLEX_MIN_TOKENS = {'cpu': 4096, 'cuda': 1024}  # 'auto': shorter texts keep SDPA
 
-@contextmanager
+@contextlib.contextmanager
 def flex_mode(
     mode:str, # 'auto', 'compiled' (always), 'eager' (uncompiled, for tests), 'off'
 ):

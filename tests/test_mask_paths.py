@@ -368,7 +368,7 @@ def test_a_shared_copy_written_in_place_or_made_in_inference_mode_is_built_again
 
 def test_flex_attend_makes_room_for_compilations_around_its_own_calls(monkeypatch):
     """Past torch's default of 8 compilations, a compiled function runs its uncompiled code: for FlexAttention
-    the reference code, which builds the full (T, T) scores (on an H100 the ninth case of bench/gpu.py asked for
+    the reference code, which builds the full (T, T) scores (on an H100 the ninth compilation in bench/gpu.py asked for
     128 GiB). The limit is raised only while flex_attend calls its compiled kernel and builder."""
     import torch._dynamo.config as dynamo_config
     from selfattn_nbdev import masks

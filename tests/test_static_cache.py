@@ -197,3 +197,11 @@ def test_the_cuda_decode_step_is_a_cuda_graph(monkeypatch):
     seen.clear()
     assert gen._decode_step(OnCuda(), dict(backend='eager'))(None, None) == 'logits'
     assert seen == {'backend': 'eager'} and len(marks) == 2   # given options are used as they are
+
+
+@pytest.mark.parametrize('cache', [KVCache, lambda: StaticKVCache(capacity=8)], ids=['KVCache', 'StaticKVCache'])
+def test_both_caches_refuse_a_key_padding_mask(cache):
+    "Padding with a cache goes through pads= (generate's list of prompts); both caches say so, with one message."
+    attn = MultiHeadAttention(16, 16, 32, num_heads=4).eval()
+    with pytest.raises(ValueError, match='give prompts of different lengths to generate as a list'):
+        attn(torch.randn(2, 4, 16), key_padding_mask=torch.zeros(2, 4, dtype=torch.bool), cache=cache())

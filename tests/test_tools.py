@@ -13,6 +13,8 @@ def test_numbers_compare_to_printed_precision():
     assert same_text('diff 6e-08', 'diff 1e-07')       # float32 rounding: depends on the CPU
     assert not same_text('diff 6e-08', 'diff 2e-05')   # not rounding any more
     assert not same_text('3.2e-03', '3.5e-03')          # above 1e-5: 1e-3 relative
+    assert same_text('| 8.4e−16 |', '| 1.1e−15 |')      # a typographic minus in an exponent: rounding too
+    assert not same_text('| 2.0e−03 |', '| 3.0e−03 |')
 
 
 def test_what_varies_is_normalised():

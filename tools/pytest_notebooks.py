@@ -213,6 +213,7 @@ def _decimals(s: str) -> int:
 
 def same_text(saved: str, fresh: str) -> bool:
     "Equal once numbers are compared to the precision they are printed with."
+    saved, fresh = (t.replace('\u2212', '-') for t in (saved, fresh))  # a typographic minus (it does not wrap)
     if NUM.sub('#', saved) != NUM.sub('#', fresh): return False
     for a, b in zip(NUM.findall(saved), NUM.findall(fresh)):
         if a == b: continue

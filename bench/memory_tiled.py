@@ -7,7 +7,7 @@ Three implementations of the same attention, softmax(Q K^T / sqrt(d)) V, no mask
 head_dim 64, one forward pass under torch.no_grad():
 
 - `explicit`: torch.softmax((queries / sqrt(d)) @ keys^T) @ values: the (heads, T, T) scores and weights written out;
-- `tiled`: selfattn_nbdev.tiled.tiled_attention, blocks of 64 (the page nbs/08_tiled.ipynb builds it);
+- `tiled`: selfattn_nbdev.tiled.tiled_attention, blocks of 64 (the page nbs/11_tiled.ipynb builds it);
 - `sdpa`: F.scaled_dot_product_attention, PyTorch's fused kernel.
 
 Peak extra memory: each implementation and T in a fresh process, as bench/benchmark.py measures it: freed set-up

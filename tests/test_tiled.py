@@ -1,7 +1,7 @@
 """`tiled_attention` against PyTorch's fused kernel: lengths from 1 to 2,000, many block sizes, float32 and float64,
 with and without the causal mask, forward and gradients; the online softmax; the properties every attention has.
 
-The notebook (nbs/08_tiled.ipynb) shows a few cases; this is the sweep. Lengths up to 33 are all tried, longer ones
+The notebook (nbs/11_tiled.ipynb) shows a few cases; this is the sweep. Lengths up to 33 are all tried, longer ones
 sampled around powers of two and up to 2,000; for each length, block sizes from 1 to beyond the length, as long as a
 call stays within 4 x 4 tiles (every tile costs a few dozen PyTorch calls), and the default, 64, at 1,000."""
 import math, random

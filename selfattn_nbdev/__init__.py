@@ -7,10 +7,15 @@ __version__ = "0.1.0"
 __all__ = ['SelfAttention', 'check_tokens', 'check_size', 'check_flag', 'check_count', 'check_range', 'check_token_ids',
            'check_dropout', 'check_context', 'softmax_stable', 'simple_attention', 'SelfAttentionV1', 'SelfAttentionV2',
            'causal_mask', 'CausalAttention', 'leaks_future', 'check_heads', 'MultiHeadAttentionWrapper',
-           'MultiHeadAttention', 'KVCache', 'to_torch_multihead', 'AttentionExplorer', 'package_attention', 'repeat_kv',
-           'window_mask', 'rope_angles', 'apply_rope']
+           'MultiHeadAttention', 'to_torch_multihead', 'KVCache', 'StaticKVCache', 'TinyGPT', 'generate',
+           'generate_stream', 'sample_next', 'repeat_kv', 'window_mask', 'rope_angles', 'apply_rope', 'causal',
+           'sliding_window', 'key_padding', 'documents', 'and_masks', 'or_masks', 'dense_mask', 'AttentionExplorer',
+           'package_attention']
 
 # %% ../nbs/index.ipynb #e26eca70
+# Later pages add to the modules of earlier ones (MultiHeadAttention gains a cache,
+# shared key/value heads, a window, RoPE, packed documents): import them all, in the
+# order of the site, so that every import of the package gets the whole class.
 from .core import (SelfAttention, check_count, check_flag, check_range,
                                  check_size, check_token_ids, check_tokens)
 from .simple import softmax_stable, simple_attention
@@ -18,14 +23,20 @@ from .trainable import SelfAttentionV1, SelfAttentionV2
 from .causal import (check_dropout, check_context, causal_mask,
                                    CausalAttention, leaks_future)
 from .multihead import (check_heads, MultiHeadAttentionWrapper,
-                                      MultiHeadAttention, KVCache, to_torch_multihead)
+                                      MultiHeadAttention, to_torch_multihead)
+from .generation import (KVCache, StaticKVCache, TinyGPT, generate,
+                                       generate_stream, sample_next)
 from .modern import repeat_kv, window_mask, rope_angles, apply_rope
+from .masks import (and_masks, causal, dense_mask, documents,
+                                  key_padding, or_masks, sliding_window)
 from .explorer import AttentionExplorer, package_attention
 
 _all_ = ['SelfAttention', 'check_tokens', 'check_size', 'check_flag', 'check_count',
          'check_range', 'check_token_ids', 'check_dropout', 'check_context',
          'softmax_stable', 'simple_attention', 'SelfAttentionV1', 'SelfAttentionV2',
          'causal_mask', 'CausalAttention', 'leaks_future', 'check_heads',
-         'MultiHeadAttentionWrapper', 'MultiHeadAttention', 'KVCache', 'to_torch_multihead',
-         'AttentionExplorer', 'package_attention', 'repeat_kv', 'window_mask',
-         'rope_angles', 'apply_rope']
+         'MultiHeadAttentionWrapper', 'MultiHeadAttention', 'to_torch_multihead',
+         'KVCache', 'StaticKVCache', 'TinyGPT', 'generate', 'generate_stream',
+         'sample_next', 'repeat_kv', 'window_mask', 'rope_angles', 'apply_rope',
+         'causal', 'sliding_window', 'key_padding', 'documents', 'and_masks',
+         'or_masks', 'dense_mask', 'AttentionExplorer', 'package_attention']

@@ -34,7 +34,7 @@ def check_context(
 def causal_mask(
     num_tokens:int,  # the number of queries T, the last T positions of the sequence
     device=None,     # where to build it: the device of the scores it will mask
-    num_keys:int|None=None,  # keys, when earlier ones are cached (default: num_tokens)
+    num_keys:int|None=None,  # keys; the queries are the last num_tokens (default: all)
 ) -> Tensor:  # bool (num_tokens, num_keys): True where the key is in the query's future
     "The causal mask: `True` where key j lies in the future of query i."
     check_count(num_tokens, 'num_tokens')
@@ -43,9 +43,9 @@ def causal_mask(
     if num_keys < num_tokens:  # the queries are the last num_tokens of the keys
         raise ValueError(f"num_keys must be >= num_tokens, the queries being the last "
                          f"keys; got num_keys={num_keys}, num_tokens={num_tokens}")
-    from selfattn_nbdev.masks import causal, dense_mask  # the mask as a predicate
-    # `causal`: where a query may attend (key j <= query i); this mask hides the rest
-    return ~dense_mask(causal, num_tokens, num_keys, device=device)[0, 0]
+    # query i stands at position num_keys - num_tokens + i: the keys after it are hidden
+    every_pair = torch.ones(num_tokens, num_keys, dtype=torch.bool, device=device)
+    return every_pair.triu(num_keys - num_tokens + 1)   # (num_tokens, num_keys)
 
 # %% ../nbs/03_causal.ipynb #34f862d8
 def _load_without_saved_mask(self, state_dict, prefix, *args):

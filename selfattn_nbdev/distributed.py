@@ -156,7 +156,7 @@ def check_tensor_parallel(
     "On each rank: one module whole, a copy split by `tensor_parallel`; compare them."
     import copy
     from torch.distributed.device_mesh import init_device_mesh
-    from selfattn_nbdev.multihead import KVCache
+    from selfattn_nbdev.generation import KVCache
     mesh = init_device_mesh('cpu', (world_size,))
     results = []
     for config in configs:

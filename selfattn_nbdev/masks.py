@@ -20,7 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .core import check_count, check_size
+from .core import check_count, check_size, check_tokens, patch
+from .causal import check_context
+from .multihead import MultiHeadAttention
+from .generation import TinyGPT, TransformerBlock
 
 # %% ../nbs/10_masks.ipynb #m19c0007
 def causal(b, h, q_idx, kv_idx):
@@ -334,3 +337,150 @@ def varlen_attend(
     context = queries.new_zeros(queries.transpose(1, 2).shape)        # (b, T, h, hd)
     context[real] = packed
     return context.transpose(1, 2)                                    # (b, h, T, hd)
+
+# %% ../nbs/10_masks.ipynb #53653628
+def _check_document_ids(
+    document_ids, # None, or what the caller passed as document_ids
+    x:Tensor, # the input, (num_tokens, d_in) or (batch, num_tokens, d_in)
+) -> None:
+    "Document ids must be an integer tensor shaped like `x` minus its last axis."
+    if document_ids is None: return
+    expected = tuple(x.shape[:-1])
+    if (not isinstance(document_ids, Tensor) or document_ids.is_floating_point()
+            or document_ids.dtype == torch.bool):
+        kind = (document_ids.dtype if isinstance(document_ids, Tensor)
+                else type(document_ids).__name__)
+        raise TypeError(f"document_ids must be an integer tensor of shape {expected} "
+                        f"(the document of every token); got {kind}")
+    if tuple(document_ids.shape) != expected:
+        raise ValueError(f"document_ids must have shape {expected}; "
+                         f"got {tuple(document_ids.shape)}")
+
+@patch
+def _mask_mod(self:MultiHeadAttention,
+              key_padding_mask:Tensor|None=None, # bool (b, num_tokens), True = padding
+              document_ids:Tensor|None=None, # int (b, num_tokens): packed documents
+             ): # the predicate (b, h, q_idx, kv_idx) -> True = attend; None: no mask
+    "The module's mask as one predicate: causal or a window, padding, documents."
+    mods = []
+    if self.causal: mods.append(sliding_window(self.window) if self.window else causal)
+    if key_padding_mask is not None: mods.append(key_padding(key_padding_mask))
+    if document_ids is not None: mods.append(documents(document_ids))
+    return and_masks(*mods) if mods else None
+
+@patch
+def _allowed(self:MultiHeadAttention,
+             num_tokens:int, # queries: the last num_tokens of the num_keys positions
+             num_keys:int,   # keys
+             key_padding_mask:Tensor|None=None, # bool (b, num_keys), True = padding
+             document_ids:Tensor|None=None, # int (b, num_keys): packed documents
+            ) -> Tensor|None: # bool (b | 1, 1, T, num_keys), True = attend; or None
+    "Where each query may attend: the module's predicate, asked about every pair."
+    mask_mod = self._mask_mod(key_padding_mask, document_ids)
+    if mask_mod is None: return None
+    rows = [t.shape[0] for t in (key_padding_mask, document_ids) if t is not None]
+    return dense_mask(mask_mod, num_tokens, num_keys, (rows or [1])[0],
+                      device=self.W_query.weight.device)
+
+# %% ../nbs/10_masks.ipynb #fa1e9496
+@patch
+def _attend_masked(self:MultiHeadAttention,
+                   queries:Tensor, # (b, num_heads, num_tokens, head_dim)
+                   keys:Tensor,    # (b, num_kv_heads, num_tokens, head_dim)
+                   values:Tensor,  # (b, num_kv_heads, num_tokens, head_dim)
+                   key_padding_mask:Tensor|None=None, # bool (b, T), True = padding
+                   document_ids:Tensor|None=None, # int (b, T): packed documents
+                  ) -> Tensor: # context, (b, num_heads, num_tokens, head_dim)
+    "The fused path on a whole sequence, by the fastest kernel for its mask."
+    plain = key_padding_mask is None and document_ids is None
+    if plain and self.window is None:  # causal or nothing: SDPA's flag, no mask
+        return self._attend_fused(queries, keys, values)
+    num_tokens, dropout_p = queries.shape[2], self.dropout.p if self.training else 0.0
+    choice = pick_kernel(queries.device.type, True, num_tokens, num_tokens,
+                         queries.requires_grad, dropout_p,
+                         padding_only=document_ids is None and self.window is None,
+                         half=queries.dtype in (torch.float16, torch.bfloat16))
+    if choice == 'varlen':  # CUDA only: the real tokens, packed
+        return varlen_attend(queries, keys, values, key_padding_mask, self.causal)
+    if choice != 'dense':   # FlexAttention: tiles skipped, no dense mask
+        form = ('window', self.window) if plain else ('batch', self.causal, self.window)
+        return flex_attend(queries, keys, values,
+                           self._mask_mod(key_padding_mask, document_ids), form,
+                           compiled=choice == 'flex',  # blocks share the batch's:
+                           reads=() if plain else (key_padding_mask, document_ids))
+    allowed = self._allowed(num_tokens, num_tokens, key_padding_mask, document_ids)
+    return self._attend_fused(queries, keys, values, allowed)  # SDPA, the dense mask
+
+# %% ../nbs/10_masks.ipynb #e3f2a6f4
+@patch
+def forward(self:MultiHeadAttention,
+            x:Tensor, # tokens, (num_tokens, d_in) or (batch, num_tokens, d_in)
+            key_padding_mask:Tensor|None=None, # bool, x.shape[:-1]; True = padding
+            return_attn_weights:bool=False, # explicit path; also return the weights
+            cache=None, # a KVCache or StaticKVCache: x holds only the new tokens
+            document_ids:Tensor|None=None, # int, x.shape[:-1]: packed documents
+           ) -> Tensor: # context vectors (..., num_tokens, d_out) [and the weights]
+    "Project `x`, split into heads, attend, merge the heads, mix them (`out_proj`)."
+    _check_document_ids(document_ids, x)
+    if document_ids is not None and x.dim() == 2: document_ids = document_ids[None]
+    x, key_padding_mask, unbatched = self._inputs(x, key_padding_mask,
+                                                  return_attn_weights)
+    num_tokens = x.shape[1]
+    if cache is None: check_context(num_tokens, self.context_length)
+    else: cache.check_new_tokens(x, key_padding_mask, self)
+    if cache is not None and document_ids is not None:
+        raise ValueError("document_ids cannot be combined with a cache; "
+                         "generate each document on its own")
+    positions = None  # RoPE's positions: 0 .. T - 1 unless a cache or documents say
+    if cache is not None: positions = cache.positions(num_tokens, x.device)
+    elif self.rope and document_ids is not None:  # each document starts again at 0
+        positions = document_positions(document_ids)                  # (b, T)
+    queries, keys, values = self._project(x, positions)  # (b, heads | kv, T, hd)
+    if cache is None and not return_attn_weights:  # a whole sequence, fused
+        context = self._attend_masked(queries, keys, values, key_padding_mask,
+                                      document_ids)
+        out = self.out_proj(self._merge_heads(context))          # (b, T, d_out)
+        return out[0] if unbatched else out
+    if cache is not None:  # the keys in reach, and the cache's own mask
+        keys, values, allowed = cache.update(keys, values, self)
+    else: allowed = self._allowed(num_tokens, num_tokens, key_padding_mask,
+                                  document_ids)
+    return self._finish(queries, keys, values, allowed, return_attn_weights, unbatched)
+
+# %% ../nbs/10_masks.ipynb #15ed15b8
+@patch
+def forward(self:TransformerBlock,
+            x:Tensor,   # token vectors, (b, num_tokens, d_model)
+            cache=None, # this block's cache, when generating
+            document_ids:Tensor|None=None, # int (b, num_tokens): packed documents
+           ) -> Tensor: # (b, num_tokens, d_model)
+    "The block of Generation, with packed documents."
+    check_tokens(x, self.attn.d_in, self.attn.W_query.weight.dtype)
+    x = x + self.attn(self.norm1(x), cache=cache, document_ids=document_ids)
+    return x + self.mlp(self.norm2(x))                 # (b, num_tokens, d_model)
+
+@patch
+def forward(self:TinyGPT,
+            token_ids:Tensor, # (b, num_tokens): all tokens, or only the new ones
+            caches:list|None=None, # from `new_caches`: token_ids are the new tokens
+            document_ids:Tensor|None=None, # int (b, T): packed documents, no cache
+           ) -> Tensor: # next-token logits, (b, num_tokens, vocab_size)
+    "Scores for the token that follows each position; packed documents apart."
+    self._check_call(token_ids, caches)
+    if document_ids is not None and (not isinstance(document_ids, Tensor)
+                                     or document_ids.shape != token_ids.shape):
+        got = (tuple(document_ids.shape) if isinstance(document_ids, Tensor)
+               else type(document_ids).__name__)
+        raise ValueError(f"document_ids must be an integer tensor shaped like "
+                         f"token_ids {tuple(token_ids.shape)}; got {got}")
+    num_new, device = token_ids.shape[1], token_ids.device
+    if caches is not None: positions = caches[0].positions(num_new, device)  # b|1,T
+    elif document_ids is not None:  # each document starts again at position 0
+        positions = document_positions(document_ids)                     # (b, T)
+    else: positions = torch.arange(num_new, device=device)[None]        # (1, T)
+    x = self.token_emb(token_ids)                            # (b, T, d_model)
+    if self.pos_emb is not None: x = x + self.pos_emb(positions)
+    document_ids = share_across_blocks(document_ids)  # one block mask for all
+    for i, block in enumerate(self.blocks):
+        x = block(x, None if caches is None else caches[i], document_ids)
+    return self.head(self.norm(x))                           # (b, T, vocab_size)

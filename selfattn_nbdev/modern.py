@@ -6,13 +6,18 @@
 __all__ = ['repeat_kv', 'check_kv_heads', 'window_mask', 'check_window', 'rope_angles', 'rope_rotate', 'apply_rope', 'check_rope']
 
 # %% ../nbs/09_modern.ipynb #e4b55d1a
+import math
 import numbers
+from functools import partial
 
 import torch
-from torch import Tensor
+import torch.nn.functional as F
+from torch import Tensor, nn
 
-from .core import check_count, check_flag, check_range, check_size
-from .causal import causal_mask
+from .core import check_count, check_flag, check_range, check_size, patch
+from .causal import check_context, check_dropout, causal_mask
+from .multihead import MultiHeadAttention, check_heads
+from .generation import KVCache, StaticKVCache, TinyGPT, TransformerBlock
 
 # %% ../nbs/09_modern.ipynb #bad67fae
 def repeat_kv(
@@ -48,10 +53,11 @@ def window_mask(
 ) -> Tensor: # bool (num_tokens, num_keys): True where the key is out of reach
     "The causal mask of a sliding window: `True` for the future and for keys too old."
     check_count(num_tokens, 'num_tokens'); check_size(window, 'window')
-    from selfattn_nbdev.masks import dense_mask, sliding_window
-    # allowed: key j <= query i and i - j < window; hidden: the rest
-    allowed = dense_mask(sliding_window(window), num_tokens, num_keys, device=device)
-    return ~allowed[0, 0]
+    num_keys = num_tokens if num_keys is None else num_keys
+    future = causal_mask(num_tokens, device, num_keys)     # key j after query i
+    every_pair = torch.ones(num_tokens, num_keys, dtype=torch.bool, device=device)
+    too_old = every_pair.tril(num_keys - num_tokens - window)  # i - j >= window
+    return future | too_old
 
 # %% ../nbs/09_modern.ipynb #a3bcd307
 def check_window(
@@ -129,3 +135,285 @@ def check_rope(
     if rope and head_dim % 2:
         raise ValueError(f"rope=True rotates pairs of numbers: head_dim "
                          f"(d_out // num_heads) must be even; got {head_dim}")
+
+# %% ../nbs/09_modern.ipynb #9c3259bb
+@patch
+def __init__(self:MultiHeadAttention,
+             d_in:int,  # size of each input token embedding
+             d_out:int, # size of the output; each head gets d_out // num_heads
+             context_length:int, # the longest sequence the module accepts
+             dropout:float=0.0,  # probability of dropping a weight in training
+             num_heads:int=1,    # number of heads; must divide d_out
+             qkv_bias:bool=False, # learned biases in W_query, W_key, W_value
+             causal:bool=True,    # hide the future: token i sees tokens 1..i only
+             num_kv_heads:int|None=None, # key/value heads (None: num_heads; 1: MQA)
+             window:int|None=None, # causal only: see just the window latest tokens
+             rope:bool=False, # rotary position embeddings on queries and keys
+             rope_base:float=10000.0, # RoPE's wavelength scale
+             out_bias:bool=True, # a learned bias in out_proj (Llama's has none)
+            ):
+    "Multi-head attention with three more options: GQA, a window, RoPE."
+    nn.Module.__init__(self)
+    check_size(d_in, 'd_in'); check_size(d_out, 'd_out')
+    check_size(context_length, 'context_length'); check_heads(d_out, num_heads)
+    check_dropout(dropout)
+    for name, flag in [('qkv_bias', qkv_bias), ('causal', causal),
+                       ('out_bias', out_bias)]: check_flag(flag, name)
+    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    check_kv_heads(num_heads, num_kv_heads)
+    check_window(window, causal); check_rope(rope, rope_base, d_out // num_heads)
+    self.d_in, self.d_out, self.context_length = d_in, d_out, context_length
+    self.num_heads, self.head_dim = int(num_heads), d_out // num_heads
+    self.num_kv_heads, self.causal, self.window = int(num_kv_heads), causal, window
+    self.rope, self.rope_base, self._rope_cache = rope, rope_base, None
+    kv_dim = self.num_kv_heads * self.head_dim   # d_out unless the heads share keys
+    self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
+    self.W_key = nn.Linear(d_in, kv_dim, bias=qkv_bias)
+    self.W_value = nn.Linear(d_in, kv_dim, bias=qkv_bias)
+    self.out_proj = nn.Linear(d_out, d_out, bias=out_bias)
+    self.dropout = nn.Dropout(dropout)
+
+# %% ../nbs/09_modern.ipynb #9f560aa0
+@patch
+def extra_repr(self:MultiHeadAttention) -> str:
+    "The sizes shown when the module is printed; the options that are not defaults."
+    shared = self.num_kv_heads != self.num_heads
+    extras = [f"num_kv_heads={self.num_kv_heads}"] * shared
+    extras += [f"window={self.window}"] * (self.window is not None)
+    extras += [f"rope=True, rope_base={self.rope_base:g}"] * self.rope
+    extras += ["out_bias=False"] * (self.out_proj.bias is None)
+    sizes = (f"d_in={self.d_in}, d_out={self.d_out}, "
+             f"context_length={self.context_length}, "
+             f"num_heads={self.num_heads}, causal={self.causal}")
+    return sizes + (",\n" + ", ".join(extras) if extras else "")  # a 2nd line
+
+# %% ../nbs/09_modern.ipynb #dd304562
+@patch
+def _attend_explicit(self:MultiHeadAttention,
+                     queries:Tensor, # (b, num_heads, num_tokens, head_dim)
+                     keys:Tensor,    # (b, num_kv_heads, num_keys, head_dim)
+                     values:Tensor,  # (b, num_kv_heads, num_keys, head_dim)
+                     allowed:Tensor|None=None, # (b | 1, 1, T, keys); None: _allowed
+                    ) -> tuple: # context (b, heads, T, hd), weights (b, heads, T, keys)
+    "Scores, mask, softmax, dropout, weighted sum: all heads at once, step by step."
+    group_size = self.num_heads // self.num_kv_heads  # GQA: kv head g serves a group
+    keys, values = repeat_kv(keys, group_size), repeat_kv(values, group_size)
+    if allowed is None: allowed = self._allowed(queries.shape[2], keys.shape[2])
+    attn_scores = queries @ keys.transpose(2, 3)          # (b, heads, T, keys)
+    if allowed is not None: attn_scores = attn_scores.masked_fill(~allowed, -torch.inf)
+    attn_weights = torch.softmax(attn_scores / math.sqrt(self.head_dim), dim=-1)
+    attn_weights = attn_weights.nan_to_num(0.0)  # a query with no key at all: zeros
+    attn_weights = self.dropout(attn_weights)
+    return attn_weights @ values, attn_weights           # (b, heads, T, head_dim)
+
+# %% ../nbs/09_modern.ipynb #9c86d34e
+@patch
+def _attend_fused(self:MultiHeadAttention,
+                  queries:Tensor, # (b, num_heads, num_tokens, head_dim)
+                  keys:Tensor,    # (b, num_kv_heads, num_keys, head_dim)
+                  values:Tensor,  # (b, num_kv_heads, num_keys, head_dim)
+                  allowed:Tensor|None=None, # (b | 1, 1, T, keys); None: _allowed
+                 ) -> Tensor: # context, (b, num_heads, num_tokens, head_dim)
+    "The same in one call of PyTorch's fused kernel, which returns no weights."
+    dropout_p = self.dropout.p if self.training else 0.0
+    kernel = partial(F.scaled_dot_product_attention, dropout_p=dropout_p,
+                     enable_gqa=self.num_kv_heads != self.num_heads)  # repeats k, v
+    num_tokens, num_keys = queries.shape[2], keys.shape[2]
+    plain = self.window is None or num_keys <= self.window  # every key within reach
+    if allowed is None and plain and (not self.causal or num_tokens == num_keys):
+        return kernel(queries, keys, values, is_causal=self.causal)  # no mask
+    if allowed is None: allowed = self._allowed(num_tokens, num_keys)
+    dead = ~allowed.any(-1, keepdim=True)     # (b, 1, T, 1): a query with no key
+    context = kernel(queries, keys, values, attn_mask=allowed | dead)  # True = attend
+    return context.masked_fill(dead, 0.0)
+
+# %% ../nbs/09_modern.ipynb #7d3e8c0e
+@patch
+def _allowed(self:MultiHeadAttention,
+             num_tokens:int, # queries: the last num_tokens of the num_keys positions
+             num_keys:int,   # keys
+             key_padding_mask:Tensor|None=None, # bool (b, num_keys), True = padding
+            ) -> Tensor|None: # bool (b | 1, 1, T, num_keys), True = attend; or None
+    "Where each query may attend: its window (or its past), not the padding."
+    device, allowed = self.W_query.weight.device, None
+    if self.window is not None:  # (T, keys): the window latest tokens, itself included
+        allowed = ~window_mask(num_tokens, self.window, device, num_keys)
+    elif self.causal: allowed = ~causal_mask(num_tokens, device, num_keys)
+    if key_padding_mask is not None:
+        real = ~key_padding_mask[:, None, None, :]                  # (b, 1, 1, keys)
+        allowed = real if allowed is None else allowed & real       # (b, 1, T, keys)
+    return allowed
+
+# %% ../nbs/09_modern.ipynb #a0984706
+@patch
+def _rope_table(self:MultiHeadAttention,
+                num_positions:int, # positions needed: 0 .. num_positions - 1
+                like:Tensor, # where and in what precision: float64 for float64
+               ) -> tuple: # cos, sin: (at least num_positions, head_dim)
+    "RoPE's cos and sin for positions 0 to context_length, computed once and kept."
+    dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
+    table = self._rope_cache
+    if (table is None or table[0].shape[0] < num_positions
+            or table[0].device != like.device or table[0].dtype != dtype):
+        n = max(num_positions, self.context_length)
+        positions = torch.arange(n, device=like.device)
+        table = rope_angles(positions, self.head_dim, self.rope_base, dtype)
+        self._rope_cache = table
+    return table
+
+@patch
+def _project(self:MultiHeadAttention,
+             x:Tensor, # tokens, (b, num_tokens, d_in)
+             positions:Tensor|None=None, # RoPE's (b | 1, T); None: 0 .. T-1
+            ) -> tuple: # queries (b, heads, T, hd); keys, values (b, kv, T, hd)
+    "Queries, keys and values of `x` in heads; with RoPE, queries and keys turned."
+    queries = self._split_heads(self.W_query(x))       # (b, heads, T, head_dim)
+    keys = self._split_heads(self.W_key(x))            # (b, kv_heads, T, hd)
+    values = self._split_heads(self.W_value(x))        # (b, kv_heads, T, hd)
+    if self.rope:  # turn each query and key by the angle of its position
+        cos, sin = self._rope_table(self.context_length, queries)  # (positions, hd)
+        if positions is None: cos, sin = cos[:x.shape[1]], sin[:x.shape[1]]
+        else:  # (b | 1, 1, T, hd)
+            cos, sin = cos[positions][:, None], sin[positions][:, None]
+        queries, keys = rope_rotate(queries, cos, sin), rope_rotate(keys, cos, sin)
+    return queries, keys, values
+
+# %% ../nbs/09_modern.ipynb #f74cb0da
+@patch
+def forward(self:MultiHeadAttention,
+            x:Tensor, # tokens, (num_tokens, d_in) or (batch, num_tokens, d_in)
+            key_padding_mask:Tensor|None=None, # bool, x.shape[:-1]; True = padding
+            return_attn_weights:bool=False, # explicit path; also return the weights
+            cache=None, # a KVCache or StaticKVCache: x holds only the new tokens
+           ) -> Tensor: # context vectors (..., num_tokens, d_out) [and the weights]
+    "`forward` with a cache, and RoPE at the places the cache gives the new tokens."
+    x, key_padding_mask, unbatched = self._inputs(x, key_padding_mask,
+                                                  return_attn_weights)
+    num_tokens = x.shape[1]
+    if cache is None: check_context(num_tokens, self.context_length)
+    else: cache.check_new_tokens(x, key_padding_mask, self)
+    positions = None if cache is None else cache.positions(num_tokens, x.device)
+    queries, keys, values = self._project(x, positions)  # (b, heads | kv, T, hd)
+    masked = key_padding_mask is not None or self.window is not None
+    allowed = (self._allowed(num_tokens, num_tokens, key_padding_mask) if masked
+               else None)  # None: causal, or nothing
+    if cache is not None:  # the keys in reach, and the cache's own mask
+        keys, values, allowed = cache.update(keys, values, self)
+    return self._finish(queries, keys, values, allowed, return_attn_weights, unbatched)
+
+# %% ../nbs/09_modern.ipynb #a42a5fac
+@patch
+def update(self:KVCache,
+           keys:Tensor,   # the new tokens' keys, (b, kv_heads, num_tokens, head_dim)
+           values:Tensor, # their values, the same shape
+           module:nn.Module, # the attention module that calls: its window
+          ) -> tuple: # keys, values to attend to, and None: no mask of its own
+    "`append`; with a window, then forget what the next token can no longer see."
+    in_reach = self.append(keys, values)                 # (b, kv, kept + T, hd)
+    if module.window is not None:  # the next token sees only the window - 1 before it
+        self._start = max(self._start, self._end - (module.window - 1))
+    return *in_reach, None
+
+# %% ../nbs/09_modern.ipynb #2b0f3c80
+@patch
+def _allocate(self:StaticKVCache,
+              keys:Tensor, # the first keys it is given, (b, kv_heads, T, head_dim)
+              window:int|None=None, # the module's window: a ring of `window` slots
+             ) -> None:
+    "Make the storage, once: `window` slots with a window, else `capacity`."
+    b, heads, _, head_dim = keys.shape
+    self.slots = self.capacity if window is None else min(window, self.capacity)
+    self.ring = self.slots < self.capacity   # column c lives in slot c % slots
+    shape = (b, heads, self.slots, head_dim)
+    self._keys, self._values = keys.new_zeros(shape), keys.new_zeros(shape)
+    # an empty slot holds column `capacity`: after every query, so never seen
+    self._cols = torch.full((self.slots,), self.capacity, device=keys.device)
+    self.step = torch.zeros((), dtype=torch.long, device=keys.device)
+    self._pads = None if self.pads is None else self.pads.to(keys.device)
+    self._window = window
+    if keys.is_cuda:  # CUDA graphs replay from these addresses: no copy per step
+        for t in (self._keys, self._values, self._cols, self.step):
+            torch._dynamo.mark_static_address(t)  # (importing dynamo takes 1 s)
+
+@patch
+def update(self:StaticKVCache,
+           keys:Tensor,   # the new tokens' keys, (b, kv_heads, num_tokens, head_dim)
+           values:Tensor, # their values, the same shape
+           module:nn.Module, # the attention module that calls: its window
+          ) -> tuple: # keys, values in reach (b, kv, slots | T, hd); allowed mask
+    "Write the new tokens in place (a ring with a window); return what they may see."
+    num_new = keys.shape[2]
+    if self._keys is None: self._allocate(keys, module.window)
+    elif self.ring and num_new > 1:
+        raise ValueError(f"a window cache keeps {self.slots} slots: after the "
+                         f"prompt it takes one token at a time; got {num_new}")
+    if not torch.compiler.is_compiling(): self.num_seen += num_new
+    columns = self.step + torch.arange(num_new, device=keys.device)  # (T,)
+    if self.ring and num_new > 1:  # a prompt: it attends to its own keys,
+        kept = columns[-self.slots:]     # and the ring keeps the last `slots`
+        self._write(kept % self.slots, kept, keys[:, :, -self.slots:],
+                    values[:, :, -self.slots:])
+        key_columns = columns
+    else:
+        self._write(columns % self.slots, columns, keys, values)
+        keys, values, key_columns = self._keys, self._values, self._cols
+    self.step.add_(num_new)  # in place, like the storage
+    return keys, values, self._allowed(columns, key_columns)
+
+@patch
+def _write(self:StaticKVCache,
+           slots:Tensor, # where, (n,)
+           columns:Tensor, # the columns written there, (n,)
+           keys:Tensor, values:Tensor, # (b, kv_heads, n, head_dim)
+          ) -> None:
+    "Copy in place: the storage keeps its address, so a CUDA graph can replay."
+    self._keys.index_copy_(2, slots, keys)
+    self._values.index_copy_(2, slots, values)
+    self._cols.index_copy_(0, slots, columns)
+
+@patch
+def _allowed(self:StaticKVCache,
+             columns:Tensor, # the new tokens' columns, (T,)
+             key_columns:Tensor, # the column of every key, (S,)
+            ) -> Tensor: # bool (b | 1, 1, T, S), True = attend
+    "Causal over columns, within the window, never a padding key; padding sees itself."
+    allowed = key_columns <= columns[:, None]                       # (T, S)
+    if self._window is not None:
+        allowed = allowed & (columns[:, None] - key_columns < self._window)
+    if self._pads is not None:  # column c of row b is padding when c < pads[b]
+        real = key_columns >= self._pads[:, None, None, None]       # (b, 1, 1, S)
+        allowed = allowed & real                                     # (b, 1, T, S)
+    allowed = allowed | (key_columns == columns[:, None])  # so no row is empty
+    return allowed if allowed.dim() == 4 else allowed[None, None]
+
+@patch
+def __len__(self:StaticKVCache) -> int:
+    "The number of slots in use."
+    return min(self.num_seen, self.capacity if self._keys is None else self.slots)
+
+# %% ../nbs/09_modern.ipynb #b44e3780
+@patch
+def __init__(self:TinyGPT,
+             vocab_size:int,     # number of distinct tokens
+             context_length:int, # the longest sequence: prompt and new tokens
+             d_model:int=64,     # the size of every token vector
+             num_heads:int=4,    # attention heads per block
+             num_layers:int=2,   # transformer blocks
+             num_kv_heads:int|None=None, # key/value heads (None: num_heads)
+             window:int|None=None, # each token sees only the window latest tokens
+             rope:bool=False, # rotary positions in attention, no pos_emb
+             **options, # more options of every block's MultiHeadAttention
+            ):
+    "The tiny GPT with GQA, a window or RoPE; with RoPE it needs no position table."
+    nn.Module.__init__(self)
+    check_size(vocab_size, 'vocab_size'); check_size(num_layers, 'num_layers')
+    self.vocab_size, self.context_length = vocab_size, context_length
+    self.token_emb = nn.Embedding(vocab_size, d_model)
+    # RoPE puts the positions into every attention score: no table to learn
+    self.pos_emb = None if rope else nn.Embedding(context_length, d_model)
+    options.update(num_kv_heads=num_kv_heads, window=window, rope=rope)
+    self.blocks = nn.ModuleList(
+        TransformerBlock(d_model, context_length, num_heads, **options)
+        for _ in range(num_layers))
+    self.norm = nn.LayerNorm(d_model)
+    self.head = nn.Linear(d_model, vocab_size)

@@ -186,7 +186,7 @@ def test_document_positions_restart():
 
 
 def test_fused_path_picks_flex_or_dense(monkeypatch):
-    import selfattn_nbdev.multihead as mh
+    import selfattn_nbdev.masks as mh   # the fused path asks masks.pick_kernel
     picked = []
     real = mh.pick_kernel
     monkeypatch.setattr(mh, 'pick_kernel', lambda *a, **kw: picked.append(real(*a, **kw)) or picked[-1])
@@ -217,7 +217,7 @@ def test_mask_errors_name_the_argument():
         m(x, document_ids=torch.zeros(2, 5))
     with pytest.raises(ValueError, match=r'document_ids must have shape \(2, 5\)'):
         m(x, document_ids=torch.zeros(2, 4, dtype=torch.long))
-    from selfattn_nbdev.multihead import KVCache
+    from selfattn_nbdev.generation import KVCache
     with pytest.raises(ValueError, match='document_ids cannot be combined with a cache'):
         m(x, document_ids=torch.zeros(2, 5, dtype=torch.long), cache=KVCache())
     q = torch.randn(5, 4)

@@ -156,7 +156,7 @@ def test_every_next_sentence_names_the_next_page():
         assert all(s == page(order[i + 1]) for s in said), f'{nb}: says next is {said}, footer: {page(order[i + 1])}'
 
 
-DEFINITION = re.compile(r'^(?:class|def)\s+(\w+)', re.M)
+DEFINITION = re.compile(r'^(?:class|def)\s+(\w+)(?:\(self:(\w+))?', re.M)  # a method added with @patch: its class
 
 
 @pytest.mark.parametrize('nb', NOTEBOOKS, ids=lambda p: p.stem)
@@ -164,6 +164,6 @@ def test_each_definition_is_shown_once(nb):
     "An exported definition is shown by its source; the page gets a table of its parameters, not its signature again."
     shown = [src for src in cells(nb) if 'hide' not in options(src)]
     assert not [s for s in shown if re.match(r'show_doc\(', s)], f'{nb.name}: show_doc repeats a shown definition'
-    names = [n for src in shown for n in DEFINITION.findall(src)]
+    names = [f'{cls}.{n}' if cls else n for src in shown for n, cls in DEFINITION.findall(src)]
     twice = sorted({n for n in names if names.count(n) > 1})
     assert not twice, f'{nb.name}: defined twice on the page: {twice}'

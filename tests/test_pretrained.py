@@ -10,7 +10,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 from selfattn_nbdev.causal import causal_mask  # noqa: E402
 from selfattn_nbdev.generation import generate  # noqa: E402
-from selfattn_nbdev.multihead import KVCache, MultiHeadAttention, to_torch_multihead  # noqa: E402
+from selfattn_nbdev.multihead import MultiHeadAttention, to_torch_multihead
+from selfattn_nbdev.generation import KVCache  # noqa: E402
 from selfattn_nbdev.pretrained import (GPT2, Llama, from_torch_multihead, gpt2_config, gpt2_from_hf,  # noqa: E402
                                        gpt2_weight_map, llama_config, llama_from_hf, load_hf_state_dict)
 

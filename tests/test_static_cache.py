@@ -6,7 +6,8 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 from selfattn_nbdev.generation import StaticKVCache, TinyGPT, generate, generate_stream, sample_next
-from selfattn_nbdev.multihead import KVCache, MultiHeadAttention
+from selfattn_nbdev.multihead import MultiHeadAttention
+from selfattn_nbdev.generation import KVCache
 
 CONFIGS = {'plain': {}, 'gqa': dict(num_kv_heads=1), 'rope': dict(rope=True),
            'window': dict(window=5), 'gqa-window-rope': dict(num_kv_heads=2, window=4, rope=True)}

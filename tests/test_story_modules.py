@@ -67,10 +67,16 @@ def test_reprs_name_the_sizes():
 def test_to_torch_multihead_refuses_what_it_cannot_express():
     with pytest.raises(ValueError, match=r'needs d_in == d_out; got d_in=3, d_out=4'):
         to_torch_multihead(MultiHeadAttention(3, 4, 8, qkv_bias=True))
-    for option, given in [('num_kv_heads', 2), ('window', 3), ('rope', True)]:
+    # GQA by the shapes of the projections; a window and RoPE because the outputs differ
+    for option, given, why in [('num_kv_heads', 2, 'projects queries, keys and values'),
+                               ('window', 3, 'cannot compute what this module computes'),
+                               ('rope', True, 'cannot compute what this module computes')]:
         m = MultiHeadAttention(8, 8, 16, num_heads=4, **{option: given})
-        with pytest.raises(ValueError, match=rf'cannot express {option}={given!r}'):
+        with pytest.raises(ValueError, match=rf'{why}.*{option}={given!r}'):
             to_torch_multihead(m)
+    m = MultiHeadAttention(8, 8, 16, num_heads=4, window=3).train()
+    with pytest.raises(ValueError): to_torch_multihead(m)
+    assert m.training                                  # the check leaves the mode as it was
 
 
 def test_out_bias_can_be_left_out_and_converts_as_zero():

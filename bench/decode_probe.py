@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from selfattn_nbdev.generation import TinyGPT, _decode_step, generate  # noqa: E402
+from selfattn_nbdev.generation import TinyGPT  # noqa: E402
+from selfattn_nbdev.decoding import _decode_step, generate  # noqa: E402
 from selfattn_nbdev.pretrained import GPT2  # noqa: E402
 
 

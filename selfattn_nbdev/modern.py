@@ -17,7 +17,8 @@ from torch import Tensor, nn
 from .core import check_count, check_flag, check_range, check_size, patch
 from .causal import check_context, check_dropout, causal_mask
 from .multihead import MultiHeadAttention, check_heads
-from .generation import KVCache, StaticKVCache, TinyGPT, TransformerBlock
+from .generation import KVCache, TinyGPT, TransformerBlock
+from .decoding import StaticKVCache
 
 # %% ../nbs/09_modern.ipynb #bad67fae
 def repeat_kv(

@@ -18,8 +18,8 @@ import selfattn_nbdev.distributed as D
 import selfattn_nbdev.masks as M
 import selfattn_nbdev.pretrained as P
 from selfattn_nbdev.explorer import AttentionExplorer, reference_module
-from selfattn_nbdev.generation import (CharTokenizer, StaticKVCache, TinyGPT, TransformerBlock, generate,
-                                       generate_stream, sample_next, train_tiny_gpt)
+from selfattn_nbdev.generation import CharTokenizer, TinyGPT, TransformerBlock, sample_next, train_tiny_gpt
+from selfattn_nbdev.decoding import StaticKVCache, generate, generate_stream
 from selfattn_nbdev.modern import check_kv_heads, check_rope, check_window
 from selfattn_nbdev.tiled import online_softmax, tiled_attention
 from selfattn_nbdev.training import (VOCAB, BankSenseClassifier, accuracy, check_labels, check_sentences,
@@ -366,7 +366,7 @@ CASES = {
                                      ['capacity=32', 'context_length=16']),
     'StaticKVCache padding mask': (lambda: MultiHeadAttention(4, 4, 8)(X[:1], cache=StaticKVCache(8),
                                                                        key_padding_mask=torch.zeros(1, 5, dtype=bool)),
-                                   ValueError, ['key_padding_mask', 'pads=']),
+                                   ValueError, ['key_padding_mask', 'a list of prompts']),
     'StaticKVCache ring chunk': (lambda: _ring_chunk(), ValueError, ['one token at a time', 'got 2']),
     'StaticKVCache two modules': (lambda: _two_modules(StaticKVCache(8)), ValueError, ['another module']),
     'KVCache two modules': (lambda: _two_modules(KVCache()), ValueError, ['another module']),

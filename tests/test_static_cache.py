@@ -5,7 +5,8 @@ import torch
 from torch import nn
 from torch._dynamo.utils import counters
 
-from selfattn_nbdev.generation import StaticKVCache, TinyGPT, generate, generate_stream, sample_next
+from selfattn_nbdev.generation import TinyGPT, sample_next
+from selfattn_nbdev.decoding import StaticKVCache, generate, generate_stream
 from selfattn_nbdev.multihead import MultiHeadAttention
 from selfattn_nbdev.generation import KVCache
 
@@ -179,7 +180,7 @@ def test_one_cache_one_module():
 
 def test_the_cuda_decode_step_is_a_cuda_graph(monkeypatch):
     "The GPU path's logic on CPU: on a CUDA model, compile=True means mode='reduce-overhead', each step marked."
-    import selfattn_nbdev.generation as gen
+    import selfattn_nbdev.decoding as gen
     seen, marks = {}, []
     monkeypatch.setattr(torch, 'compile', lambda model, **options: seen.update(options) or model)
     monkeypatch.setattr(torch.compiler, 'cudagraph_mark_step_begin', lambda: marks.append(1))
@@ -204,5 +205,5 @@ def test_the_cuda_decode_step_is_a_cuda_graph(monkeypatch):
 def test_both_caches_refuse_a_key_padding_mask(cache):
     "Padding with a cache goes through pads= (generate's list of prompts); both caches say so, with one message."
     attn = MultiHeadAttention(16, 16, 32, num_heads=4).eval()
-    with pytest.raises(ValueError, match='give prompts of different lengths to generate as a list'):
+    with pytest.raises(ValueError, match='give generate a list of prompts'):
         attn(torch.randn(2, 4, 16), key_padding_mask=torch.zeros(2, 4, dtype=torch.bool), cache=cache())

@@ -91,7 +91,9 @@ def _pass_on(
                       group_peer=(rank - 1) % size, tag=tag)]
     return dist.batch_isend_irecv(ops), received
 
-# %% ../nbs/14_ring.ipynb #51fe3c3e
+# %% ../nbs/14_ring.ipynb #cfa40c18
+#| code-fold: true
+#| code-summary: "Code: _kv_groups"
 def _kv_groups(
     queries:Tensor, keys:Tensor, # as given to ring_attention
 ) -> int: # query heads per key/value head: 1 unless the keys have fewer heads
@@ -109,6 +111,7 @@ def _kv_groups(
                          f"keys {tuple(keys.shape)}")
     return heads // kv_heads
 
+# %% ../nbs/14_ring.ipynb #549d452e
 def _share_heads(t:Tensor, groups:int) -> Tensor:
     "`repeat_kv` where heads are grouped; any other tensor as it is (groups = 1)."
     return t if groups == 1 else repeat_kv(t, groups)
@@ -209,16 +212,11 @@ class _RingAttention(torch.autograd.Function):
                                ctx.order, ctx.group)
         return *grads, None, None, None
 
-# %% ../nbs/14_ring.ipynb #a3d3c224
-def ring_attention(
-    queries:Tensor, # this rank's queries, (..., num_tokens // R, head_dim)
-    keys:Tensor,    # this rank's keys: the queries' shape; (b, h, T, hd): fewer h ok
-    values:Tensor,  # this rank's values, the keys' shape
-    causal:bool=False, # query i sees keys 0..i only, in whole-sequence positions
-    order:str='zigzag', # how the sequence was sharded: as in shard_sequence
-    group=None, # the ranks of the ring (None: every rank)
-) -> Tensor: # this rank's context vectors, (..., num_tokens // R, head_dim)
-    "Attention over a sequence split across ranks: key/value blocks go round a ring."
+# %% ../nbs/14_ring.ipynb #d55ebd24
+#| code-fold: true
+#| code-summary: "Code: _check_ring_inputs"
+def _check_ring_inputs(queries, keys, values, causal, order, group):
+    "Raise a clear error unless the ring can take these tensors (see ring_attention)."
     groups = _kv_groups(queries, keys)
     if (isinstance(keys, Tensor) and isinstance(values, Tensor)
             and keys.shape != values.shape):
@@ -231,15 +229,28 @@ def ring_attention(
         raise ValueError(f"queries and keys must have one num_tokens: the ring passes "
                          f"one sequence; got queries {tuple(queries.shape)}, keys "
                          f"{tuple(keys.shape)}")
-    size = dist.get_world_size(group)
-    chunks = len(sequence_chunks(0, size, order))
+    chunks = len(sequence_chunks(0, dist.get_world_size(group), order))
     if queries.shape[-2] % chunks:
         raise ValueError(f"{order} order gives every rank {chunks} equal chunks, so "
                          f"the local num_tokens must be a multiple of {chunks}; got "
                          f"{queries.shape[-2]}")
+
+# %% ../nbs/14_ring.ipynb #578c20de
+def ring_attention(
+    queries:Tensor, # this rank's queries, (..., num_tokens // R, head_dim)
+    keys:Tensor,    # this rank's keys: the queries' shape; (b, h, T, hd): fewer h ok
+    values:Tensor,  # this rank's values, the keys' shape
+    causal:bool=False, # query i sees keys 0..i only, in whole-sequence positions
+    order:str='zigzag', # how the sequence was sharded: as in shard_sequence
+    group=None, # the ranks of the ring (None: every rank)
+) -> Tensor: # this rank's context vectors, (..., num_tokens // R, head_dim)
+    "Attention over a sequence split across ranks: key/value blocks go round a ring."
+    _check_ring_inputs(queries, keys, values, causal, order, group)
     return _RingAttention.apply(queries, keys, values, causal, order, group)
 
-# %% ../nbs/14_ring.ipynb #e7e17931
+# %% ../nbs/14_ring.ipynb #b19dc539
+#| code-fold: true
+#| code-summary: "Code: check_ring_attention"
 def check_ring_attention(
     rank:int, world_size:int, # given by run_ranks
     cases:list, # (num_tokens, dtype, causal, order, kv_heads): 4 query heads, kv_heads
@@ -311,7 +322,9 @@ def context_parallel(
     out = module.out_proj(module._merge_heads(context_vecs))    # (b, T_local, d_out)
     return out.squeeze(0) if unbatched else out
 
-# %% ../nbs/14_ring.ipynb #053392d6
+# %% ../nbs/14_ring.ipynb #32f03669
+#| code-fold: true
+#| code-summary: "Code: check_context_parallel"
 def check_context_parallel(
     rank:int, world_size:int, # given by run_ranks
     configs:list, # MultiHeadAttention keyword arguments, one dict per layer tried

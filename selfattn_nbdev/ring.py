@@ -248,14 +248,14 @@ def ring_attention(
     _check_ring_inputs(queries, keys, values, causal, order, group)
     return _RingAttention.apply(queries, keys, values, causal, order, group)
 
-# %% ../nbs/14_ring.ipynb #b19dc539
+# %% ../nbs/14_ring.ipynb #7ef6b0dc
 #| code-fold: true
 #| code-summary: "Code: check_ring_attention"
 def check_ring_attention(
     rank:int, world_size:int, # given by run_ranks
-    cases:list, # (num_tokens, dtype, causal, order, kv_heads): 4 query heads, kv_heads
+    cases:list, # (num_tokens, dtype, causal, order, kv_heads); 4 query heads
     seeds:int=1, # random sequences per case, seeded 0, 1, ...
-) -> list: # per case: {'ring': error, 'sdpa': error}, the worst over the seeds
+) -> list: # per case, the worst errors: {'ring', 'sdpa'}
     "On each rank: ring attention on this rank's share, SDPA on the whole sequence."
     import torch.nn.functional as F
     def sdpa(whole, grad_out, causal):  # output and gradients, on the whole sequence

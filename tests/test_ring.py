@@ -91,6 +91,23 @@ def test_checks_on_one_rank(one_rank):
         assert max(check_context_parallel(0, 1, [small], order)[0].values()) < 1e-12
 
 
+def test_ring_refuses_what_it_cannot_take(one_rank):
+    "The argument checks the page does not show: leading dims, values unlike keys, no tokens, another module."
+    from torch import nn
+    from selfattn_nbdev.multihead import MultiHeadAttention
+    from selfattn_nbdev.ring import context_parallel, ring_attention
+    queries, keys, values = torch.randn(3, 1, 2, 8, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match='leading dims'):
+        ring_attention(queries, keys.expand(2, -1, -1, -1), values.expand(2, -1, -1, -1))
+    with pytest.raises(ValueError, match='one block'): ring_attention(queries, keys, values[..., :2])
+    with pytest.raises(ValueError, match='one block'): ring_attention(queries, keys, values[:, :1])
+    with pytest.raises(ValueError, match='leading dims'): ring_attention(queries, keys[:, :0], values[:, :0])
+    layer = MultiHeadAttention(16, 32, 16, num_heads=4)
+    with pytest.raises(ValueError, match='positive'): context_parallel(layer, torch.randn(2, 0, 16))
+    with pytest.raises(ValueError, match='multiple of 2'): context_parallel(layer, torch.randn(2, 3, 16))
+    with pytest.raises(TypeError, match='MultiHeadAttention'): context_parallel(nn.Linear(16, 32), torch.randn(2, 8, 16))
+
+
 def test_bench_counts_what_the_page_says():
     """bench/distributed.json's ring bytes are the page's 3R - 2 blocks of keys and values per rank, and four times as
     many with the 2 key/value heads repeated to the 8 query heads."""

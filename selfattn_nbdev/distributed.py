@@ -30,7 +30,9 @@ def free_port() -> int: # a TCP port on 127.0.0.1 that nothing listens on right 
         s.bind(('127.0.0.1', 0))
         return s.getsockname()[1]
 
-# %% ../nbs/13_parallel.ipynb #2127bb13
+# %% ../nbs/13_parallel.ipynb #44cfb5cd
+#| code-fold: true
+#| code-summary: "Code: _save_whole, _rank_main"
 def _save_whole(obj, path:str) -> None:
     "Save under a temporary name, then rename: a rank killed mid-write leaves no file."
     torch.save(obj, path + '.part')
@@ -77,7 +79,9 @@ def _failure_report(
     return (f"run_ranks: {name} failed:\n" + ''.join(lines)
             + f"rank {ranks[0]}'s traceback:\n{first}")
 
-# %% ../nbs/13_parallel.ipynb #e7ce0c73
+# %% ../nbs/13_parallel.ipynb #dbdb5961
+#| code-fold: true
+#| code-summary: "Code: _importable"
 def _importable(fn):
     "`fn`, or for a function defined in a notebook the package's exported copy of it."
     if fn.__module__ != '__main__': return fn

@@ -19,7 +19,7 @@ Measured on this machine, every rank a process forked from run_ranks's server, a
 Printed and saved, never asserted here: the Measurements page (nbs/95_measurements.ipynb) reads the file, and
 tests/test_distributed.py and tests/test_ring.py check that its byte counts are the formulas of the two pages.
 """
-import argparse, json, platform, statistics, sys, time
+import argparse, datetime, json, platform, shlex, statistics, sys, time
 from pathlib import Path
 
 import torch
@@ -119,7 +119,9 @@ def main():
     out = {'torch': torch.__version__, 'machine': platform.machine(), 'mha': mha, 'ring_config': ring,
            'tp': D.run_ranks(tp_rank, 2, mha, timeout=300)[0],
            'fsdp': D.run_ranks(fsdp_rank, 2, mha, timeout=300)[0],
-           'ring': {R: D.run_ranks(ring_rank, R, ring, timeout=300) for R in (2, 4)}}
+           'ring': {R: D.run_ranks(ring_rank, R, ring, timeout=300) for R in (2, 4)},
+           'date': datetime.date.today().isoformat(),
+           'command': shlex.join(['python', 'bench/' + Path(__file__).name, *sys.argv[1:]])}
     if not small: Path(__file__).with_suffix('.json').write_text(json.dumps(out, indent=1) + '\n')
     print(json.dumps(out, indent=1))
 

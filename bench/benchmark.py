@@ -26,7 +26,7 @@ warm-up, with the thread count pinned; each implementation's ratio to `reference
 repetition, so machine noise affects both sides of a ratio alike. Peak extra memory of one forward is measured
 in a fresh process per implementation and T (the highest rise of the resident set size during the call).
 """
-import argparse, json, math, os, platform, random, statistics, subprocess, sys, time
+import argparse, datetime, json, math, os, platform, random, shlex, statistics, subprocess, sys, time
 from pathlib import Path
 
 import torch
@@ -266,6 +266,8 @@ def main():
         'memory_exponents': mem_exponents, 'import': imports, 'targets': targets,
         'seconds_taken': round(time.time() - started, 1),
         'load_average_at_start': os.getloadavg()[0],
+        'date': datetime.date.today().isoformat(),
+        'command': shlex.join(['python', 'bench/' + Path(__file__).name, *sys.argv[1:]]),
     }
     Path(args.out).write_text(json.dumps(results, indent=1) + '\n')
     print(f'\nwrote {args.out} ({results["seconds_taken"]} s)')

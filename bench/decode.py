@@ -13,7 +13,7 @@ first compiled call after `torch._dynamo.reset()` (compiling included, inductor'
 the graphs compiled during it (`torch._dynamo.utils.counters['stats']['unique_graphs']`: 1 means the 255 steps
 reused one graph). Printed, never asserted; tests/test_decode_bench.py checks the layout of the JSON.
 """
-import argparse, json, platform, sys, time, warnings
+import argparse, datetime, json, platform, shlex, sys, time, warnings
 from pathlib import Path
 
 import torch
@@ -78,7 +78,9 @@ def main(out: Path) -> dict:
         rates[str(b)] = {name: b * NEW_TOKENS / best[name] for name in RUNS}
     result = {'cpu': rates, 'compile_seconds': compile_seconds, 'compilations': compilations,
               'same_tokens': True, 'config': CONFIG, 'prompt_tokens': PROMPT, 'new_tokens': NEW_TOKENS,
-              'torch': torch.__version__, 'threads': torch.get_num_threads(), 'machine': platform.machine()}
+              'torch': torch.__version__, 'threads': torch.get_num_threads(), 'machine': platform.machine(),
+              'date': datetime.date.today().isoformat(),
+              'command': shlex.join(['python', 'bench/' + Path(__file__).name, *sys.argv[1:]])}
     print(f"decode of {NEW_TOKENS} tokens after {PROMPT} ({CONFIG['num_layers']} blocks, d_model "
           f"{CONFIG['d_model']}, {torch.get_num_threads()} threads): new tokens/s over all rows, "
           f"best of {REPS}")

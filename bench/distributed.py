@@ -16,9 +16,10 @@ Measured on this machine, every rank a process forked from run_ranks's server, a
   backward steps after one warm-up step; and the bytes of one step with the key/value heads repeated to 8
   before the ring, as a ring without GQA would send them;
 - FSDP2: the same attention sharded by `fully_shard` over 2 ranks; bytes per forward + backward step.
-Printed and saved, never asserted: the page reads the file.
+Printed and saved, never asserted here: the Measurements page (nbs/95_measurements.ipynb) reads the file, and
+tests/test_distributed.py and tests/test_ring.py check that its byte counts are the formulas of the two pages.
 """
-import argparse, json, platform, statistics, sys, time
+import argparse, datetime, json, platform, shlex, statistics, sys, time
 from pathlib import Path
 
 import torch
@@ -26,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import selfattn_nbdev.distributed as D  # noqa: E402
+import selfattn_nbdev.ring as RA  # noqa: E402
 from selfattn_nbdev.multihead import MultiHeadAttention  # noqa: E402
 from selfattn_nbdev.tiled import tiled_attention  # noqa: E402
 
@@ -87,20 +89,20 @@ def ring_rank(rank: int, world_size: int, ring: dict) -> dict:
     T, h, kv, hd = ring['num_tokens'], ring['heads'], ring['kv_heads'], ring['head_dim']
     torch.manual_seed(0)
     whole = [torch.randn(1, h, T, hd), torch.randn(1, kv, T, hd), torch.randn(1, kv, T, hd)]
-    mine = [D.shard_sequence(t, rank, world_size).requires_grad_() for t in whole]
-    sent, pass_on = [0], D._pass_on
+    mine = [RA.shard_sequence(t, rank, world_size).requires_grad_() for t in whole]
+    sent, pass_on = [0], RA._pass_on
     def counting(t, group=None, tag=0):
         sent[0] += t.nbytes
         return pass_on(t, group, tag)
-    D._pass_on = counting
-    step = lambda q, k, v: lambda: D.ring_attention(q, k, v, causal=True).pow(2).mean().backward()
+    RA._pass_on = counting
+    step = lambda q, k, v: lambda: RA.ring_attention(q, k, v, causal=True).pow(2).mean().backward()
     step(*mine)()
     bytes_sent = sent[0]
-    repeated = [mine[0]] + [D._share_heads(t.detach(), h // kv).requires_grad_() for t in mine[1:]]
+    repeated = [mine[0]] + [RA._share_heads(t.detach(), h // kv).requires_grad_() for t in mine[1:]]
     sent[0] = 0; step(*repeated)()
     bytes_repeated = sent[0]
     t_ring = timed(step(*mine), 5, 1)
-    whole = [whole[0]] + [D._share_heads(t, h // kv) for t in whole[1:]]
+    whole = [whole[0]] + [RA._share_heads(t, h // kv) for t in whole[1:]]
     whole = [t.requires_grad_() for t in whole]
     t_whole = timed(lambda: tiled_attention(*whole, causal=True, block_size=T // (2 * world_size))
                     .pow(2).mean().backward(), 5, 1) if rank == 0 else None
@@ -117,7 +119,9 @@ def main():
     out = {'torch': torch.__version__, 'machine': platform.machine(), 'mha': mha, 'ring_config': ring,
            'tp': D.run_ranks(tp_rank, 2, mha, timeout=300)[0],
            'fsdp': D.run_ranks(fsdp_rank, 2, mha, timeout=300)[0],
-           'ring': {R: D.run_ranks(ring_rank, R, ring, timeout=300) for R in (2, 4)}}
+           'ring': {R: D.run_ranks(ring_rank, R, ring, timeout=300) for R in (2, 4)},
+           'date': datetime.date.today().isoformat(),
+           'command': shlex.join(['python', 'bench/' + Path(__file__).name, *sys.argv[1:]])}
     if not small: Path(__file__).with_suffix('.json').write_text(json.dumps(out, indent=1) + '\n')
     print(json.dumps(out, indent=1))
 

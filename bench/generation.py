@@ -8,7 +8,7 @@ runs must write the same tokens (the script aborts otherwise); the figure is the
 measured in one run (the cached run first and last, its better time kept, so that a warm-up or a disturbance
 does not favour the cache). Target: the cache at least 10x faster. Printed, never asserted.
 """
-import argparse, json, platform, sys, time
+import argparse, datetime, json, platform, shlex, sys, time
 from pathlib import Path
 
 import torch
@@ -41,7 +41,9 @@ def main(out: Path) -> dict:
     result = {'config': CONFIG, 'prompt_tokens': PROMPT, 'new_tokens': NEW_TOKENS, 'torch': torch.__version__,
               'threads': torch.get_num_threads(), 'machine': platform.machine(),
               'seconds_with_cache': cached, 'seconds_without_cache': uncached, 'ratio': ratio,
-              'same_tokens': True, 'target': TARGET, 'target_met': ratio >= TARGET}
+              'same_tokens': True, 'target': TARGET, 'target_met': ratio >= TARGET,
+              'date': datetime.date.today().isoformat(),
+              'command': shlex.join(['python', 'bench/' + Path(__file__).name, *sys.argv[1:]])}
     print(f"generation of {NEW_TOKENS} tokens ({CONFIG['num_layers']} blocks, d_model {CONFIG['d_model']}): "
           f"{cached:.2f} s with the KV cache, {uncached:.2f} s without: {ratio:.1f}x "
           f"({'MET' if ratio >= TARGET else 'NOT MET'}: >= {TARGET:.0f}x); same tokens: yes")

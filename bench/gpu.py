@@ -30,7 +30,7 @@ tiny `TinyGPT` in float32 and compiles with backend='eager'.
 
     python bench/gpu.py --part decode   # only the decode section (--part masks: only the masks)
 """
-import argparse, json, statistics, sys, time
+import argparse, datetime, json, shlex, statistics, sys, time
 from pathlib import Path
 
 import torch
@@ -247,7 +247,9 @@ def main():
     batch, d_model, heads = (8, 1024, 16) if cuda else (2, 64, 4)
     device_name = torch.cuda.get_device_name() if cuda else f'CPU (small sizes, {torch.get_num_threads()} threads)'
     result = {'device': device_name, 'torch': torch.__version__, 'dtype': str(dtype), 'batch': batch,
-              'd_model': d_model, 'heads': heads, 'rows': [], 'decode': None}
+              'd_model': d_model, 'heads': heads, 'rows': [], 'decode': None,
+              'date': datetime.date.today().isoformat(),
+              'command': shlex.join(['python', 'bench/' + Path(__file__).name, *sys.argv[1:]])}
     kept = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else {}
     kept = {k: v for k, v in kept.items() if k not in result}  # added by hand: probes, code...
     save = lambda: Path(args.out).write_text(json.dumps({**kept, **result}, indent=1) + '\n')  # a run

@@ -15,7 +15,7 @@ the peak of the later, timed calls alone (the peak is reset after the first call
   window=512) at T = 16,384 (the fused path picks its kernel), against SDPA with the dense window-512 mask on
   the same shapes: the window path's peak memory must be at most 10 % of the dense path's.
 """
-import argparse, json, os, platform, resource, statistics, subprocess, sys, time
+import argparse, datetime, json, os, platform, resource, shlex, statistics, subprocess, sys, time
 from pathlib import Path
 
 import torch
@@ -110,6 +110,8 @@ def main():
               'tiled_memory_exponent': slope([r['T'] for r in tiled], [r['peak_bytes'] for r in tiled])}
     peak = {r['kind']: r['steady_peak_bytes'] for r in rows}
     result['module_window_memory_share'] = peak['module_window'] / max(peak['module_dense'], 1)
+    result.update({'date': datetime.date.today().isoformat(),
+                   'command': shlex.join(['python', 'bench/' + Path(__file__).name, *sys.argv[1:]])})
     print(json.dumps({k: v for k, v in result.items() if k != 'rows'}))
     if not args.quick: (ROOT / 'bench' / 'masks.json').write_text(json.dumps(result, indent=1) + '\n')
 

@@ -22,7 +22,7 @@ meaningful on a shared machine. (A first run with 2 threads, on 2 cores that oth
 tiled loop up to 10x slower than on an idle machine: at every one of its thousands of small operations each thread
 waits for the other, and a thread that has lost its core makes the other wait a whole time slice.)
 """
-import argparse, ctypes, gc, json, math, os, platform, statistics, subprocess, sys, threading, time
+import argparse, ctypes, datetime, gc, json, math, os, platform, shlex, statistics, subprocess, sys, threading, time
 from pathlib import Path
 
 import torch
@@ -178,6 +178,8 @@ def main():
         'peak_extra_memory_bytes': memory, 'memory_exponents': exponents,
         'time_seconds': times, 'time_ratio_to_sdpa': ratios,
         'seconds_taken': round(time.time() - started, 1), 'load_average_at_start': os.getloadavg()[0],
+        'date': datetime.date.today().isoformat(),
+        'command': shlex.join(['python', 'bench/' + Path(__file__).name, *sys.argv[1:]]),
     }
     Path(args.out).write_text(json.dumps(results, indent=1) + '\n')
     print(f'wrote {args.out} ({results["seconds_taken"]} s)')

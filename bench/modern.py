@@ -11,7 +11,7 @@ For each variant of `TinyGPT` (the page's configuration: d_model 64, 4 heads, 2 
 Then one MultiHeadAttention layer (d 64, 4 heads) generates 4,000 tokens with and without window=64, and the
 cache's length and storage are recorded every 100 tokens. Printed and saved, never asserted.
 """
-import argparse, json, os, platform, statistics, sys, time
+import argparse, datetime, json, os, platform, shlex, statistics, sys, time
 from pathlib import Path
 
 import torch
@@ -83,6 +83,8 @@ def main(out: Path) -> dict:
         track['none' if window is None else str(window)] = {'tokens': list(range(100, 4001, 100)),
                                                             'cached': lengths, 'storage': storage}
     result['long_generation'] = track
+    result.update({'date': datetime.date.today().isoformat(),
+                   'command': shlex.join(['python', 'bench/' + Path(__file__).name, *sys.argv[1:]])})
     print(f"after 4,000 tokens: {track['none']['cached'][-1]} cached without a window "
           f"(storage {track['none']['storage'][-1]}), {track['64']['cached'][-1]} with window=64 "
           f"(storage {track['64']['storage'][-1]}, the most at any point: {max(track['64']['storage'])})")

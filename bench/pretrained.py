@@ -8,7 +8,7 @@ state dict (`gpt2_from_hf`, `llama_from_hf`); both write 256 tokens greedily aft
 with its own KV cache, taking turns within each of 5 rounds after one warm-up each. Recorded: the median tokens/s of
 each and whether their tokens are the same. CPU, torch's default thread count. Printed and saved, never asserted.
 """
-import argparse, json, os, platform, statistics, sys, time
+import argparse, datetime, json, os, platform, shlex, statistics, sys, time
 from pathlib import Path
 
 import torch
@@ -63,6 +63,8 @@ def main(out: Path) -> dict:
         r = result['models'][name]
         print(f"{name}: ours {r['ours_tokens_per_s']:.0f} tokens/s, transformers "
               f"{r['transformers_tokens_per_s']:.0f} tokens/s, same tokens: {r['same_tokens']}")
+    result.update({'date': datetime.date.today().isoformat(),
+                   'command': shlex.join(['python', 'bench/' + Path(__file__).name, *sys.argv[1:]])})
     out.write_text(json.dumps(result, indent=1) + '\n')
     return result
 

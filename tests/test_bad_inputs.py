@@ -15,6 +15,7 @@ from selfattn_nbdev import (CausalAttention, KVCache, MultiHeadAttention, MultiH
                             check_tokens, leaks_future, package_attention, repeat_kv, rope_angles, simple_attention,
                             softmax_stable, to_torch_multihead, window_mask)
 import selfattn_nbdev.distributed as D
+import selfattn_nbdev.ring as R  # noqa: E402
 import selfattn_nbdev.masks as M
 import selfattn_nbdev.pretrained as P
 from selfattn_nbdev.explorer import AttentionExplorer, reference_module
@@ -246,8 +247,8 @@ CASES = {
                                                            4), ValueError, ['num_kv_heads=2', 'degree=4']),
     'check_tp_degree zero': (lambda: D.check_tp_degree(MultiHeadAttention(8, 8, 8), 0), ValueError, ['degree', '0']),
     'run_ranks world_size': (lambda: D.run_ranks(print, 0), ValueError, ['world_size', '0']),
-    'sequence_chunks order': (lambda: D.sequence_chunks(0, 2, order='bad'), ValueError, ['order', "'bad'"]),
-    'shard_sequence length': (lambda: D.shard_sequence(torch.zeros(1, 1, 8, 2), 0, 3), ValueError,
+    'sequence_chunks order': (lambda: R.sequence_chunks(0, 2, order='bad'), ValueError, ['order', "'bad'"]),
+    'shard_sequence length': (lambda: R.shard_sequence(torch.zeros(1, 1, 8, 2), 0, 3), ValueError,
                               ['num_tokens=8', '6']),
     # --- the attention inside GPT-2 and Llama
     'GPT2 layers': (lambda: P.GPT2(num_layers=0), ValueError, ['num_layers', '0']),

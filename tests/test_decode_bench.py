@@ -51,7 +51,8 @@ def test_decode_json_layout():
     "bench/decode.json, as bench/decode.py writes it: rates for each batch and run, one compiled graph."
     result = json.loads((ROOT / 'bench' / 'decode.json').read_text())
     assert list(result) == ['cpu', 'compile_seconds', 'compilations', 'same_tokens', 'config',
-                            'prompt_tokens', 'new_tokens', 'torch', 'threads', 'machine']
+                            'prompt_tokens', 'new_tokens', 'torch', 'threads', 'machine', 'date',
+                            'command']
     assert list(result['cpu']) == ['1', '8']
     for rates in result['cpu'].values():
         assert list(rates) == list(RUNS)

@@ -59,3 +59,34 @@ def test_figure_text_is_measured_on_a_phone():
     fig.set_figwidth(3)                                                         # shown at 94.5 px per inch
     assert abs(figure_text_px(fig)[0][0] - 9 / 72 * 94.5) < 1e-9
     plt.close(fig)
+
+
+def test_pages_link_their_notebook_and_not_colab(tmp_path, monkeypatch):
+    "Under each title: a link to download the page's notebook; none to Colab, where no notebook of this site runs."
+    from tools.docs import ROOT, reader_additions
+    monkeypatch.chdir(ROOT)
+    nb = {'cells': [{'cell_type': 'markdown', 'metadata': {}, 'source': '# Title'}],
+          'metadata': {}, 'nbformat': 4, 'nbformat_minor': 5}
+    p = tmp_path/'index.ipynb'  # a processed copy of nbs/index.ipynb
+    p.write_text(json.dumps(nb))
+    reader_additions(p)
+    text = ''.join(c['source'] if isinstance(c['source'], str) else ''.join(c['source']) for c in json.loads(p.read_text())['cells'])
+    assert '<a href="notebooks/index.ipynb" download>' in text
+    assert 'colab' not in text.lower()
+
+
+def _documented(x: int,     # the input
+                name: str = 'x',  # what the messages call it
+                ) -> int:   # the input, checked
+    "A function with docments."
+    return x
+
+
+def test_parameter_tables_sit_in_a_div_a_phone_can_stack():
+    from tools.showdoc_tables import ParamTables
+    md = ParamTables(_documented)._repr_markdown_()
+    assert '<span id="_documented" class="api-anchor"></span>' in md
+    div = md[md.index('::: {.api-params}'):]
+    assert div.splitlines()[2] == '| `_documented(…)` | type | default | |'
+    assert "| `name` | `str` | `'x'` | what the messages call it |" in div
+    assert div.rstrip().endswith(':::')

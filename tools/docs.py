@@ -53,8 +53,9 @@ def reader_additions(nb: Path) -> None:
 
     - An exercise's solution is folded *with its output*: Quarto's `code-fold` folds only the source, so the
       printed answer showed below the fold. The cell goes inside a `<details>` instead, under both renderers.
-    - Under the title: a link to download the page's notebook (copied into the site by `copy_notebooks`) and one
-      to open it in Colab, from the published repository.
+    - Under the title: a link to download the page's notebook (copied into the site by `copy_notebooks`). No link
+      to run it in Colab: no notebook installs the package there, and several read files of the repository
+      (`../bench/*.json`), so a notebook opened on its own would fail.
     - A code cell whose notebook source has the directive `#| fold` (nbdev ignores it; the export drops it) is
       folded under the name of what it defines: a long definition the page explains in words before it.
     - An anchor before each private definition shown on the page (`def _tile_scores`): nbdev links a backticked
@@ -76,11 +77,9 @@ def reader_additions(nb: Path) -> None:
             cell['source'] = _lines(FOLD.sub('', src))
             out += [_md_cell('<details class="solution">\n<summary>Solution</summary>'), cell, _md_cell('</details>')]
         else: out.append(cell)
-    cfg, name = get_config(), nb.name
-    if (cfg.nbs_path/name).exists():
-        colab = f"https://colab.research.google.com/github/{cfg.user}/{cfg.repo}/blob/{cfg.branch}/{cfg.nbs_path.name}/{name}"
-        links = (f'<p class="notebook-links"><a href="notebooks/{name}" download>Download this notebook</a> · '
-                 f'<a href="{colab}">Open it in Colab</a></p>')
+    name = nb.name
+    if (get_config().nbs_path/name).exists():
+        links = f'<p class="notebook-links"><a href="notebooks/{name}" download>Download this notebook</a></p>'
         first = next((i for i, c in enumerate(out) if c['cell_type'] != 'raw'), 0)
         out.insert(first, _md_cell(links))
     data['cells'] = out

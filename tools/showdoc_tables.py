@@ -6,6 +6,8 @@ nbdev then adds `show_doc(SelfAttention)`, whose default renderer prints a headi
 from the object (`def SelfAttention(`, `dtype:NoneType=None`). `tools/docs.py` swaps in `ParamTables`, which prints
 what the source does not show at a glance: a table of the parameters (type, default, the docment) of the function,
 or of the class and each of its public methods that take any, plus the anchors that the site's API links point to.
+Each table sits in a `::: {.api-params}` div (both renderers read Pandoc's fenced divs), so that nbs/styles.css can
+lay it out for a phone, where four columns do not fit.
 """
 import html, inspect
 
@@ -42,7 +44,9 @@ def _table(fn, title: str) -> str:
         typ = _type_name(p.get('anno', inspect.Parameter.empty))
         rows.append(f"| {kind} | {f'`{typ}`' if typ else ''} | {_default(p)} | {_cell(p.get('docment'))} |")
     if not rows or not any(p.get('docment') for n, p in docs.items() if n not in ('self', 'cls')): return ''
-    return f"| {title} | type | default | |\n|:--|:--|:--|:--|\n" + '\n'.join(rows)
+    # In a div of its own (`.api-params`), which nbs/styles.css stacks into one block per parameter on a phone.
+    table = f"| {title} | type | default | |\n|:--|:--|:--|:--|\n" + '\n'.join(rows)
+    return f"::: {{.api-params}}\n\n{table}\n\n:::"
 
 
 class ParamTables:

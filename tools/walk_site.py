@@ -1,21 +1,29 @@
 # No library fits: pytest-playwright gives a browser per test, not a walk of a whole site; this is one test (tests/test_site.py) that drives Debian's Chromium with Playwright.
 """Walk the built site in a real browser (headless Chromium driven by Playwright) and check what a reader gets.
 
-    python tools/walk_site.py [--site _docs] [--build] [--chromium /usr/bin/chromium]
+    python tools/walk_site.py [--site _docs] [--build] [--chromium /usr/bin/chromium] [--max-height 20000]
 
-For every page in the sidebar, at 1280 px and at a 390 px phone width:
+Every page in the sidebar is opened four times: at 1280 px and at a 390 px phone width, each in the light and
+in the dark colour scheme (the browser says `prefers-color-scheme: dark`, as a reader's system does). Each time:
 - it loads, with no JavaScript error of its own (requests to other hosts that fail are listed, not failed);
+- it is in the colour scheme asked for (its body's background is dark, or light), and every visible text has a
+  WCAG contrast of at least 4.5 against the background it is painted on (see CONTRAST);
+- a full-page screenshot is saved under _artifacts/screenshots/ (`<page>-<pass>.png`).
+In the light scheme, also:
 - every internal link resolves to a page of the site, and every #anchor to an element on that page
   (links to the published site's own URL are resolved too, but a local build must have none: see below);
+  no page links to Colab (no notebook of this site runs there);
 - every image has loaded (naturalWidth > 0);
 - its maths is typeset (KaTeX or MathJax elements present, no raw \\( \\) left in the text), also when the
   landing page is opened from disk with the network blocked (the maths engine must come from the site itself);
 - at 1280 px, no code block, output or display equation is wider than its box (its text would be cut off until
   scrolled), and no definition (`class X`, `def f`) is shown twice on a page;
   it has previous/next links at the bottom, and no link to the site's own pages leaves the local build;
+  the page is at most --max-height px tall (every page's height is printed, in the table at the end);
 - on the phone width, the body does not scroll sideways and nothing outside a scroll box is wider than it;
-- a full-page screenshot is saved under _artifacts/screenshots/;
+  every API parameter table fits the screen, its description cells readable (see API_TABLES);
 - every attention explorer shows the package's weights (see `check_explorers`).
+On the phone width in both schemes, a display equation wider than the screen shows a scroll cue (`check_math_cues`).
 Then: every API entry of the module index (selfattn_nbdev/_modidx.py) resolves to an element on its page,
 and the site search finds "softmax" and "causal" with results linking to the pages that teach them.
 The last line is `site: N passed, M failed`; the exit code is 1 on any failure.
@@ -26,7 +34,10 @@ from pathlib import Path
 from urllib.parse import unquote, urldefrag, urljoin, urlparse
 
 ROOT = Path(__file__).resolve().parents[1]
-WIDTHS = {'desktop': 1280, 'phone': 390}
+# (name, viewport width, colour scheme): the first pass finds the pages, and only the light ones check layout and links.
+PASSES = [('desktop', 1280, 'light'), ('phone', 390, 'light'), ('desktop-dark', 1280, 'dark'), ('phone-dark', 390, 'dark')]
+MIN_CONTRAST = 4.5      # WCAG 2 AA for body text; the walk asks it of every text, large or small
+MAX_HEIGHT = 20_000     # px at 1280: the project's limit on a page's length (--max-height)
 SEARCHES = {'softmax': {'simple.html', 'trainable.html'}, 'causal': {'causal.html'}}  # query -> pages a result must include
 CHROMIUM_ARGS = ['--no-sandbox', '--disable-gpu', '--no-first-run', '--disable-background-networking',
                  '--disable-component-update', '--disable-sync', '--disable-dev-shm-usage']
@@ -174,11 +185,156 @@ PAGE_FACTS = """(VIEWPORT) => {
   const brokenHeaders = [...document.querySelectorAll('main th, #quarto-document-content th')]
     .filter(th => breaksWords(th) || [...th.querySelectorAll('*')].some(breaksWords)).map(th => th.textContent.trim().slice(0, 30));
   return {links, images, ids, math, rawMath, sidebar, scrollWidth: document.documentElement.scrollWidth,
+          height: document.documentElement.scrollHeight,
           innerWidth: window.innerWidth, title: document.title, cutOff, clipped, widest, pageNav, wideMath, twice, mathSource, brokenHeaders};
 }"""
 
 
-def walk(site: Path, chromium: str) -> int:
+CONTRAST = r"""(LIMIT) => {
+  // Every visible text of the page against the background it is painted on: the WCAG 2 contrast ratio.
+  // The background is the element's own, or its first ancestor's with a colour; a translucent one is laid over
+  // what is under it. A gradient (a scroll shadow, stripes) counts as each of its colours: the text must read on
+  // all of them. Opacity below 1 on the element or an ancestor fades the text towards its background.
+  const canvas = document.createElement('canvas'); canvas.width = canvas.height = 1;
+  const g = canvas.getContext('2d', {willReadFrequently: true}), parsed = new Map();
+  const rgba = css => {        // any CSS colour -> [r, g, b, alpha 0..1]: a canvas reads every syntax the page may use
+    if (!parsed.has(css)) { g.clearRect(0, 0, 1, 1); g.fillStyle = '#000'; g.fillStyle = css; g.fillRect(0, 0, 1, 1);
+      const d = g.getImageData(0, 0, 1, 1).data; parsed.set(css, [d[0], d[1], d[2], d[3] / 255]); }
+    return parsed.get(css); };
+  const over = (top, below) => [0, 1, 2].map(i => top[i] * top[3] + below[i] * (1 - top[3])).concat(1);
+  const lum = c => { const l = c.slice(0, 3).map(v => { v /= 255; return v <= 0.04045 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4; });
+    return 0.2126 * l[0] + 0.7152 * l[1] + 0.0722 * l[2]; };
+  const ratio = (a, b) => { const [x, y] = [lum(a), lum(b)].sort((p, q) => q - p); return (x + 0.05) / (y + 0.05); };
+  const hex = c => '#' + c.slice(0, 3).map(v => Math.round(v).toString(16).padStart(2, '0')).join('');
+  const colours = css => (css.match(/(?:rgba?|hsla?|hwb|lab|lch|oklab|oklch|color)\([^()]*\)|#[0-9a-f]{3,8}\b|transparent/gi) || []).map(rgba);
+  const name = e => e.tagName.toLowerCase() + (e.id ? '#' + e.id : '')
+    + (typeof e.className === 'string' && e.className.trim() ? '.' + e.className.trim().split(/\s+/).slice(0, 2).join('.') : '');
+  const path = e => { const p = []; for (let a = e; a && a !== document.body && p.length < 4; a = a.parentElement) p.unshift(name(a)); return p.join(' > '); };
+  const under = new Map();     // element -> the colours its text may sit on (opaque)
+  const backgrounds = el => {
+    if (!el) {                 // under the root: the canvas, dark where the page asks for a dark colour scheme
+      const dark = /dark/.test(getComputedStyle(document.documentElement).colorScheme);
+      return [dark ? [18, 18, 18, 1] : [255, 255, 255, 1]]; }
+    if (under.has(el)) return under.get(el);
+    const s = getComputedStyle(el), bg = rgba(s.backgroundColor);
+    let here = (bg[3] >= 1 ? [[0, 0, 0, 1]] : backgrounds(el.parentElement)).map(b => over(bg, b));
+    if (/gradient/.test(s.backgroundImage)) {
+      const stops = colours(s.backgroundImage).filter(c => c[3] > 0);
+      const plain = stops.length && stops.every(c => c.join() === stops[0].join());   // one colour: a plain layer
+      here = plain ? here.map(b => over(stops[0], b)) : here.concat(...stops.map(c => here.map(b => over(c, b))));
+    }
+    here = [...new Map(here.map(c => [hex(c), c])).values()].slice(0, 16);
+    under.set(el, here); return here; };
+  const faded = new Map();     // element -> the product of its and its ancestors' opacity
+  const fade = el => { if (!el) return 1; if (!faded.has(el)) faded.set(el, parseFloat(getComputedStyle(el).opacity) * fade(el.parentElement));
+    return faded.get(el); };
+  // Not read by anyone looking: screen-reader copies, and SVG text (its colour is its fill, not checked here).
+  const skip = 'script, style, noscript, template, .katex-mathml, mjx-assistive-mml, .visually-hidden, .sr-only, svg';
+  const walker = document.createTreeWalker(document.body, NodeFilter.SHOW_TEXT), done = new Set(), low = [];
+  let checked = 0, worst = null;
+  for (let n = walker.nextNode(); n; n = walker.nextNode()) {
+    const el = n.parentElement;
+    if (!el || done.has(el) || !n.textContent.trim() || el.closest(skip)) continue;
+    done.add(el);
+    if (!el.checkVisibility({opacityProperty: true, visibilityProperty: true, checkOpacity: true, checkVisibilityCSS: true})) continue;
+    const range = document.createRange(); range.selectNodeContents(n);
+    const box = range.getBoundingClientRect();
+    if (box.width < 2 || box.height < 2) continue;                  // clipped to nothing
+    const fg = rgba(getComputedStyle(el).color), alpha = fg[3] * fade(el);
+    let min = Infinity, pair = null;
+    for (const bg of backgrounds(el)) {
+      const text = over([fg[0], fg[1], fg[2], alpha], bg), r = ratio(text, bg);
+      if (r < min) { min = r; pair = [text, bg]; } }
+    checked++;
+    if (worst && min >= worst.ratio && min >= LIMIT) continue;
+    const what = {element: path(el), text: n.textContent.trim().replace(/\s+/g, ' ').slice(0, 40),
+                  color: hex(pair[0]), background: hex(pair[1]), ratio: Math.floor(min * 100) / 100};
+    if (!worst || min < worst.ratio) worst = what;
+    if (min < LIMIT) low.push(what); }
+  // Text that CSS writes (`content: " = "`, a breadcrumb's `>`), outside code and maths; icon fonts' glyphs (in
+  // Unicode's private use area) are pictures, not text.
+  const elements = document.createTreeWalker(document.body, NodeFilter.SHOW_ELEMENT,
+    {acceptNode: e => e.matches('pre, .katex, svg, script, style') ? NodeFilter.FILTER_REJECT : NodeFilter.FILTER_ACCEPT});
+  for (let el = elements.nextNode(); el; el = elements.nextNode()) {
+    for (const pseudo of ['::before', '::after']) {
+      const s = getComputedStyle(el, pseudo), m = /^"(.*)"$/.exec(s.content);
+      if (!m || !/[\p{L}\p{N}\p{P}\p{S}]/u.test(m[1]) || /[\uE000-\uF8FF]/.test(m[1]) || s.display === 'none'
+          || !el.checkVisibility({opacityProperty: true, visibilityProperty: true})) continue;
+      const fg = rgba(s.color), bgs = backgrounds(el), alpha = fg[3] * fade(el) * parseFloat(s.opacity);
+      const own = rgba(s.backgroundColor), beneath = own[3] > 0 ? bgs.map(b => over(own, b)) : bgs;
+      let min = Infinity, pair = null;
+      for (const bg of beneath) { const text = over([fg[0], fg[1], fg[2], alpha], bg), r = ratio(text, bg); if (r < min) { min = r; pair = [text, bg]; } }
+      checked++;
+      const what = {element: path(el) + pseudo, text: m[1].slice(0, 40), color: hex(pair[0]), background: hex(pair[1]), ratio: Math.floor(min * 100) / 100};
+      if (!worst || min < worst.ratio) worst = what;
+      if (min < LIMIT) low.push(what); } }
+  const body = backgrounds(document.body)[0];
+  return {checked, worst, low: low.sort((a, b) => a.ratio - b.ratio), body: hex(body), bodyDark: lum(body) < 0.2};
+}"""
+
+API_TABLES = r"""() => {
+  // The parameter tables under the API entries (tools/showdoc_tables.py: header `name | type | default | ...`):
+  // on a phone each must fit the screen with no sideways scroll, and each description must start and end on the
+  // screen, at least 150 px wide (some 20 characters a line), whether the rows are stacked or the cells wrap.
+  const W = window.innerWidth, out = [];
+  const api = [...document.querySelectorAll('main table, #quarto-document-content table')].filter(t => {
+    const h = [...t.querySelectorAll('thead th')].map(th => th.textContent.trim());
+    return h[1] === 'type' && h[2] === 'default'; });
+  for (const t of api) {
+    const title = t.querySelector('thead th').textContent.trim().slice(0, 30), r = t.getBoundingClientRect();
+    if (t.scrollWidth > t.clientWidth + 1 || r.left < -1 || r.right > W + 1)
+      out.push(`${title}: the table is ${t.scrollWidth} px wide in a ${t.clientWidth} px box (right edge at ${Math.round(r.right)} px)`);
+    for (const row of t.querySelectorAll('tbody tr')) {
+      const d = row.querySelector('td:nth-child(4)'); if (!d || !d.textContent.trim()) continue;
+      const b = d.getBoundingClientRect();
+      if (b.left < -1 || b.right > W + 1 || b.width < 150) {
+        out.push(`${title}, ${row.querySelector('td').textContent.trim()}: description at ${Math.round(b.left)}..${Math.round(b.right)} px`);
+        break; } } }
+  return {tables: api.length, problems: out};
+}"""
+
+MATH_BOXES = r"""() => [...document.querySelectorAll('.katex-display, mjx-container[display]')].map((e, i) => ({
+  i, hidden: e.scrollWidth - e.clientWidth, tex: (e.querySelector('annotation') || e).textContent.trim().slice(0, 40)}))"""
+
+
+def _edge_cues(png: bytes) -> tuple[float, float]:
+    """How far the left and right 4-px edges of a screenshot differ from its middle (the largest difference of
+    a colour channel's mean, 0 to 255): a scroll shadow darkens (or, in the dark, lightens) the edge it sits on."""
+    from io import BytesIO
+    from PIL import Image, ImageStat
+    img = Image.open(BytesIO(png)).convert('RGB')
+    w, h = img.size
+    mean = lambda x0, x1: ImageStat.Stat(img.crop((x0, 0, x1, h))).mean
+    mid = mean(w // 2 - 2, w // 2 + 2)
+    return tuple(max(abs(a - b) for a, b in zip(mean(x0, x0 + 4), mid)) for x0 in (0, w - 4))
+
+
+def check_math_cues(page, where: str, rep: Report) -> None:
+    """On a phone, a display equation wider than the screen scrolls in its own box; it must show that it does.
+
+    For each display equation whose box scrolls (scrollWidth > clientWidth), screenshot the box with the formula
+    hidden (so only its background is seen) scrolled to its start and to its end: at the start its right edge must
+    differ from its middle by at least 16 (of 255) in a colour channel and its left edge by less than 4, and at the
+    end the other way round: a visible shadow on the side where some of the formula is hidden, and only there."""
+    boxes = [b for b in page.evaluate(MATH_BOXES) if b['hidden'] > 1]
+    if not boxes: return
+    page.add_style_tag(content='.walk-blank > * { visibility: hidden !important; }')
+    math = page.locator('.katex-display, mjx-container[display]')
+    for b in boxes:
+        rep.count('wide equations'); rep.counts['most hidden'] = max(rep.counts.get('most hidden', 0), b['hidden'])
+        box = math.nth(b['i'])
+        box.evaluate("e => { e.classList.add('walk-blank'); e.scrollLeft = 0; }")
+        start = _edge_cues(box.screenshot())
+        box.evaluate('e => { e.scrollLeft = e.scrollWidth; }')
+        end = _edge_cues(box.screenshot())
+        box.evaluate("e => { e.classList.remove('walk-blank'); e.scrollLeft = 0; }")
+        ok = start[1] >= 16 and start[0] < 4 and end[0] >= 16 and end[1] < 4
+        rep.check(ok, f'{where}: display equation {b["tex"]!r} hides {b["hidden"]} px and shows a scroll cue at the '
+                      f'hidden edge (left/right edge contrast with the middle: {start[0]:.0f}/{start[1]:.0f} at the start, '
+                      f'{end[0]:.0f}/{end[1]:.0f} at the end; want >= 16 where hidden, < 4 elsewhere)')
+
+
+def walk(site: Path, chromium: str, max_height: int = MAX_HEIGHT) -> int:
     from playwright.sync_api import sync_playwright
     rep, shots = Report(), ROOT/'_artifacts'/'screenshots'
     shots.mkdir(parents=True, exist_ok=True)
@@ -193,16 +349,18 @@ def walk(site: Path, chromium: str) -> int:
 
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
-        facts, external, widths = {}, set(), {}
+        facts, external, table, worst = {}, set(), {}, {'light': {}, 'dark': {}}
         pages = ['index.html']
-        for width_name, width in WIDTHS.items():
-            ctx = browser.new_context(viewport={'width': width, 'height': 900}, device_scale_factor=1)
+        for pass_name, width, scheme in PASSES:
+            light, phone = scheme == 'light', width < 1280
+            ctx = browser.new_context(viewport={'width': width, 'height': 900}, device_scale_factor=1, color_scheme=scheme)
             # Other hosts (a theme's web fonts, Quarto's MathJax) are allowed: where the network reaches them they
             # load, and where it does not their failures are listed, never counted as the site's own errors.
             ctx.on('requestfailed', lambda r: external.add(r.url) if not r.url.startswith(base) else None)
             i = 0
             while i < len(pages):
                 name = pages[i]; i += 1
+                where = f'{name} [{pass_name}]'
                 page = ctx.new_page()
                 errors = []
                 page.on('pageerror', lambda e: errors.append(str(e)))
@@ -210,10 +368,28 @@ def walk(site: Path, chromium: str) -> int:
                         and 'Failed to load resource' not in m.text else None)
                 resp = page.goto(base + name, wait_until='networkidle')
                 page.wait_for_timeout(300)
-                f = page.evaluate(PAGE_FACTS, width)
-                rep.check(resp is not None and resp.ok, f'{name}: loads (HTTP {resp.status if resp else "no response"})')
-                rep.check(not errors, f'{name} [{width_name}]: no JavaScript error (got {errors[:3]})')
-                if width_name == 'desktop':
+                rep.check(resp is not None and resp.ok, f'{where}: loads (HTTP {resp.status if resp else "no response"})')
+                rep.check(not errors, f'{where}: no JavaScript error (got {errors[:3]})')
+                row = table.setdefault(name, {})
+
+                # Colours, in both schemes. A fresh browser context has no stored choice of the theme toggle
+                # (Quarto keeps it in localStorage), so the page follows prefers-color-scheme: make sure it did.
+                c = page.evaluate(CONTRAST, MIN_CONTRAST)
+                rep.check(c['bodyDark'] == (scheme == 'dark'), f'{where}: the page is in the {scheme} scheme (body background {c["body"]})')
+                low = '; '.join(f"{w['element']} {w['text']!r}: {w['color']} on {w['background']} = {w['ratio']}" for w in c['low'][:4])
+                rep.check(not c['low'], f'{where}: every text has a contrast of at least {MIN_CONTRAST} '
+                                        f'({len(c["low"])} below it of {c["checked"]}; lowest: {low})')
+                rep.count('texts checked', c['checked'])
+                if c['worst']:
+                    row[scheme] = min(row.get(scheme, 99), c['worst']['ratio'])
+                    if c['worst']['ratio'] < worst[scheme].get('ratio', 99): worst[scheme] = dict(c['worst'], page=where)
+                if phone: check_math_cues(page, where, rep)
+
+                if light:
+                    f = page.evaluate(PAGE_FACTS, width)
+                    colab = [l for l in f['links'] if urlparse(l).netloc.endswith('colab.research.google.com')]
+                    rep.check(not colab, f'{where}: no link to Colab (found {colab[:2]})')
+                if light and not phone:
                     facts[name] = f
                     for link in f['sidebar']:
                         target = local(link)
@@ -234,14 +410,19 @@ def walk(site: Path, chromium: str) -> int:
                     for img in f['images']:
                         rep.count('images')
                         rep.check(img['w'] > 0, f'{name}: image loads: {img["src"][:80]} (naturalWidth {img["w"]})')
-                    widths[name] = [f['widest'], None]
+                    row.update(widest=f['widest'], height=f['height'])
+                    rep.check(f['height'] <= max_height, f'{name}: at most {max_height:,} px tall at {width} px ({f["height"]:,} px)')
                     check_explorers(page, name, rep)
-                else:
-                    widths.setdefault(name, [None, None])[1] = f['scrollWidth']
+                elif light:
+                    row['phone'] = f['scrollWidth']
                     rep.check(f['scrollWidth'] <= width + 1,
-                              f'{name} [phone]: no sideways scroll (scrollWidth {f["scrollWidth"]} > {width})')
-                    rep.check(not f['cutOff'], f'{name} [phone]: nothing wider than {width} px outside a scroll box (found {f["cutOff"]})')
-                page.screenshot(path=str(shots/f'{Path(name).stem}-{width_name}.png'), full_page=True)
+                              f'{where}: no sideways scroll (scrollWidth {f["scrollWidth"]} > {width})')
+                    rep.check(not f['cutOff'], f'{where}: nothing wider than {width} px outside a scroll box (found {f["cutOff"]})')
+                    t = page.evaluate(API_TABLES)
+                    rep.count('API tables', t['tables'])
+                    rep.check(not t['problems'], f'{where}: every API parameter table fits the screen, its descriptions '
+                                                 f'readable ({len(t["problems"])} not: {t["problems"][:3]})')
+                page.screenshot(path=str(shots/f'{Path(name).stem}-{pass_name}.png'), full_page=True)
                 rep.count('screenshots')
                 page.close()
             ctx.close()
@@ -316,11 +497,23 @@ def walk(site: Path, chromium: str) -> int:
         browser.close()
     server.shutdown()
 
-    print('\npage                widest code text / its box at 1280 px   page width at 390 px')
-    for name, ((text, box), phone) in widths.items(): print(f'{name:<20}{text:>10} px / {box} px{phone!s:>22} px')
-    print(f"\npages walked: {rep.counts.get('pages', 0)} (x{len(WIDTHS)} widths); links checked: {rep.counts.get('links', 0)}; "
+    # One line per page: the figures the checks above hold against their limits.
+    print(f'\n{"page":<18}{"height at 1280":>15}{"widest code / box at 1280":>27}{"page width at 390":>19}'
+          f'{"lowest contrast light / dark":>30}')
+    for name, r in table.items():
+        (text, box), over = r.get('widest', (None, None)), ' > limit' if r.get('height', 0) > max_height else ''
+        print(f"{name:<18}{r.get('height', 0):>12,} px{text!s:>13} / {box!s:>4} px{r.get('phone')!s:>16} px"
+              f"{r.get('light', '-')!s:>18} / {r.get('dark', '-')!s:<6}{over}")
+    for scheme, w in worst.items():
+        if w: print(f"lowest contrast, {scheme}: {w['ratio']} on {w['page']}: {w['element']} {w['text']!r} ({w['color']} on {w['background']})")
+    print(f"\npages walked: {rep.counts.get('pages', 0)} (x{len(PASSES)}: {', '.join(p[0] for p in PASSES)}); "
+          f"links checked: {rep.counts.get('links', 0)}; "
           f"anchors: {rep.counts.get('anchors', 0)}; images: {rep.counts.get('images', 0)}; "
           f"API entries: {rep.counts.get('api entries', 0)}; searches: {rep.counts.get('searches', 0)}; "
+          f"texts checked for contrast: {rep.counts.get('texts checked', 0)}; "
+          f"API tables at 390 px: {rep.counts.get('API tables', 0)}; "
+          f"display equations wider than a phone: {rep.counts.get('wide equations', 0)} (both schemes, "
+          f"hiding up to {rep.counts.get('most hidden', 0)} px); "
           f"screenshots: {rep.counts.get('screenshots', 0)} in {shots.relative_to(ROOT)}/; {time.time() - t0:.1f}s")
     if rep.counts.get('explorers'):
         print(f"attention explorers: {rep.counts['explorers']}; checks on them: {rep.counts['explorer checks']}; "
@@ -336,7 +529,8 @@ if __name__ == '__main__':
     ap.add_argument('--site', default=str(ROOT/'_docs'))
     ap.add_argument('--build', action='store_true', help='build the site first (tools/docs.py site)')
     ap.add_argument('--chromium', default=os.environ.get('CHROMIUM', '/usr/bin/chromium'))
+    ap.add_argument('--max-height', type=int, default=MAX_HEIGHT, help='fail a page taller than this at 1280 px')
     a = ap.parse_args()
     if a.build: subprocess.run([sys.executable, str(ROOT/'tools'/'docs.py'), 'site'], check=True)
     if not Path(a.chromium).exists(): sys.exit(f'no Chromium at {a.chromium}: apt-get install chromium, or pass --chromium PATH')
-    sys.exit(walk(Path(a.site), a.chromium))
+    sys.exit(walk(Path(a.site), a.chromium, a.max_height))

@@ -1,0 +1,129 @@
+"""Ring attention and context parallelism (nbs/14_ring.ipynb) on gloo CPU ranks: against SDPA on 2 ranks for every
+order, mask, dtype and key/value head count over five seeds, a whole layer on 2 ranks in both orders, the torchrun
+script the page shows; and every check on one rank in this process, so that coverage sees the code the ranks run.
+
+The bars are bounds any correct implementation meets, whatever the CPU: in float32, within 1e-5 of the float64 answer by
+torch.testing's measure with atol = rtol (|a - x| / (1 + |x|)), as PyTorch's own float32 SDPA is; in float64, within
+1e-12 of it."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from selfattn_nbdev.distributed import free_port, run_ranks
+from selfattn_nbdev.ring import check_context_parallel, check_ring_attention
+from test_distributed import scripts, torchrun
+
+ROOT = Path(__file__).resolve().parents[1]
+CASES = [(T, dtype, causal, order, kv_heads) for T in (8, 16, 64) for dtype in (torch.float32, torch.float64)
+         for causal in (False, True) for order in ('contiguous', 'zigzag') for kv_heads in (4, 2)]  # 4 query heads
+BAR = {torch.float32: 1e-5, torch.float64: 1e-12}
+
+
+def _float_error(a: torch.Tensor, x: torch.Tensor) -> float:
+    "The largest |a - x| / (1 + |x|): at most eps means torch.testing's atol = rtol = eps holds."
+    x = x.double()
+    return ((a.double() - x).abs() / (1 + x.abs())).max().item()
+
+
+def _sdpa_and_grads(whole: list, grad_out: torch.Tensor, causal: bool, dtype: torch.dtype) -> list:
+    "SDPA's output and the gradients of queries, keys and values on the whole sequence, in `dtype`."
+    whole = [t.detach().to(dtype).requires_grad_() for t in whole]
+    out = F.scaled_dot_product_attention(*whole, is_causal=causal, enable_gqa=whole[1].shape[1] != whole[0].shape[1])
+    out.backward(grad_out.to(dtype))
+    return [out.detach()] + [t.grad for t in whole]
+
+
+def test_float_error_is_absolute_below_one_relative_above():
+    assert _float_error(torch.tensor([3.0, 0.5]), torch.tensor([1.0, 0.0])) == 1.0
+
+
+@pytest.mark.parametrize('causal', [False, True])
+def test_the_float32_bar_is_one_sdpa_meets(causal):
+    "PyTorch's float32 SDPA, forward and backward, is within the ring's bar of the float64 answer: 20 random sequences."
+    for seed in range(20):
+        torch.manual_seed(seed)
+        *whole, grad_out = torch.randn(4, 2, 3, 16, 8).unbind(0)   # q, k, v, dO: (b, h, T, hd)
+        exact = _sdpa_and_grads(whole, grad_out, causal, torch.float64)
+        single = _sdpa_and_grads(whole, grad_out, causal, torch.float32)
+        assert max(_float_error(s, x) for s, x in zip(single, exact)) < BAR[torch.float32]
+
+
+def assert_within_bars(results, cases):
+    for r, (num_tokens, dtype, causal, order, kv_heads) in zip(results, cases):
+        case = f'{num_tokens} tokens, {dtype}, causal={causal}, {order}, {kv_heads} kv heads: {r}'
+        assert r['ring'] < BAR[dtype] and r['sdpa'] < BAR[torch.float32], case
+        if dtype == torch.float64: assert r['sdpa'] == 0.0, case   # SDPA in float64 is the referee itself
+
+
+@pytest.mark.slow  # starts 2 ranks; make test runs the page's 4 ranks, CI both
+def test_ring_attention_two_ranks():
+    "Forward and backward equal SDPA on the whole sequence: 48 cases (half of them GQA) of five seeds each, one start of the ranks."
+    for rank_results in run_ranks(check_ring_attention, 2, CASES, 5): assert_within_bars(rank_results, CASES)
+
+
+@pytest.mark.slow
+def test_context_parallel_two_ranks():
+    "A causal GQA layer with RoPE (8 query heads, 2 key/value heads) on 2 ranks, both orders: output and gradients equal the whole layer's."
+    config = dict(d_in=16, d_out=32, context_length=12, num_heads=8, num_kv_heads=2, rope=True, out_bias=False)
+    for order in ('zigzag', 'contiguous'):  # RoPE's positions follow the order
+        for rank_results in run_ranks(check_context_parallel, 2, [config], order):
+            assert max(rank_results[0].values()) < 1e-12, (order, rank_results)
+
+
+@pytest.fixture
+def one_rank():
+    "A gloo group of one rank in this process."
+    dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{free_port()}', rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_checks_on_one_rank(one_rank):
+    "The ring's checks in this process on one rank (the code the ranks run, under coverage)."
+    cases = CASES[:16:3] + CASES[-16::5]
+    assert_within_bars(check_ring_attention(0, 1, cases, 2), cases)
+    small = dict(d_in=16, d_out=32, context_length=8, num_heads=4, num_kv_heads=2, rope=True)
+    for order in ('zigzag', 'contiguous'):
+        assert max(check_context_parallel(0, 1, [small], order)[0].values()) < 1e-12
+
+
+def test_ring_refuses_what_it_cannot_take(one_rank):
+    "The argument checks the page does not show: leading dims, values unlike keys, no tokens, another module."
+    from torch import nn
+    from selfattn_nbdev.multihead import MultiHeadAttention
+    from selfattn_nbdev.ring import context_parallel, ring_attention
+    queries, keys, values = torch.randn(3, 1, 2, 8, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match='leading dims'):
+        ring_attention(queries, keys.expand(2, -1, -1, -1), values.expand(2, -1, -1, -1))
+    with pytest.raises(ValueError, match='one block'): ring_attention(queries, keys, values[..., :2])
+    with pytest.raises(ValueError, match='one block'): ring_attention(queries, keys, values[:, :1])
+    with pytest.raises(ValueError, match='leading dims'): ring_attention(queries, keys[:, :0], values[:, :0])
+    layer = MultiHeadAttention(16, 32, 16, num_heads=4)
+    with pytest.raises(ValueError, match='positive'): context_parallel(layer, torch.randn(2, 0, 16))
+    with pytest.raises(ValueError, match='multiple of 2'): context_parallel(layer, torch.randn(2, 3, 16))
+    with pytest.raises(TypeError, match='MultiHeadAttention'): context_parallel(nn.Linear(16, 32), torch.randn(2, 8, 16))
+
+
+def test_bench_counts_what_the_page_says():
+    """bench/distributed.json's ring bytes are the page's 3R - 2 blocks of keys and values per rank, and four times as
+    many with the 2 key/value heads repeated to the 8 query heads."""
+    bench = json.loads((ROOT/'bench'/'distributed.json').read_text())
+    ring = bench['ring_config']
+    for R, per_rank in bench['ring'].items():
+        R = int(R)
+        block = 2 * ring['kv_heads'] * (ring['num_tokens'] // R) * ring['head_dim'] * 4  # keys, values: float32
+        for r in per_rank:
+            assert r['bytes'] == (3 * R - 2) * block
+            assert r['bytes_heads_repeated'] == ring['heads'] // ring['kv_heads'] * r['bytes']
+
+
+@pytest.mark.slow  # starts torchrun
+def test_the_pages_torchrun_script_runs_as_shown(tmp_path):
+    shown = scripts('14_ring.ipynb')
+    assert list(shown) == ['long_sequence.py']
+    assert torchrun(tmp_path, 'long_sequence.py', shown['long_sequence.py'], 4) == [
+        f'rank {r}: tokens (2, 16, 16), output (2, 16, 32)' for r in range(4)]

@@ -1,4 +1,4 @@
-# No library fits: nbdev_docs, nbdev_readme and nbdev_preview need Quarto, which cannot be installed from a package registry; this drives smalldocs through nbdev's own pre-processing.
+# No library fits: nbdev_docs, nbdev_readme and nbdev_preview need Quarto, which no package registry installs offline (PyPI's quarto-cli downloads it from GitHub); this drives smalldocs through nbdev's own pre-processing.
 """Build the documentation site and README.md from the notebooks in `nbs/`.
 
     python tools/docs.py site            # -> _docs/ (Quarto when `quarto` is on PATH, else smalldocs)

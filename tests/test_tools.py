@@ -89,4 +89,6 @@ def test_parameter_tables_sit_in_a_div_a_phone_can_stack():
     div = md[md.index('::: {.api-params}'):]
     assert div.splitlines()[2] == '| `_documented(…)` | type | default | |'
     assert "| `name` | `str` | `'x'` | what the messages call it |" in div
-    assert div.rstrip().endswith(':::')
+    assert div.rstrip().endswith(':::\n\n</details>')
+    assert md.index('<details class="api-details">') < md.index('::: {.api-params}')   # folded
+    assert '<summary>Parameters of <code>_documented(…)</code></summary>' in md

@@ -277,6 +277,9 @@ API_TABLES = r"""() => {
   // on a phone each must fit the screen with no sideways scroll, and each description must start and end on the
   // screen, at least 150 px wide (some 20 characters a line), whether the rows are stacked or the cells wrap.
   const W = window.innerWidth, out = [];
+  // the tables are folded (<details class="api-details">): open them to measure, close them again after
+  const closed = [...document.querySelectorAll('details.api-details:not([open])')];
+  closed.forEach(d => d.open = true);
   const api = [...document.querySelectorAll('main table, #quarto-document-content table')].filter(t => {
     const h = [...t.querySelectorAll('thead th')].map(th => th.textContent.trim());
     return h[1] === 'type' && h[2] === 'default'; });
@@ -290,6 +293,7 @@ API_TABLES = r"""() => {
       if (b.left < -1 || b.right > W + 1 || b.width < 150) {
         out.push(`${title}, ${row.querySelector('td').textContent.trim()}: description at ${Math.round(b.left)}..${Math.round(b.right)} px`);
         break; } } }
+  closed.forEach(d => d.open = false);
   return {tables: api.length, problems: out};
 }"""
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .core import check_flag, check_size, check_token_ids, patch
+from .core import check_flag, check_size, check_token_ids, patch, replaces
 from . import generation
 from .generation import (KVCache, TinyGPT, _check_generation, _decode,
                                        _signature_with, sample_next)
@@ -173,6 +173,7 @@ def _decode_step(
     return step
 
 # %% ../nbs/07_batches.ipynb #d2fc0210
+@replaces(generation)
 @torch.no_grad()
 def generate_stream(
     model:nn.Module,  # follows the protocol of Generation, new_caches(capacity, pads)
@@ -217,6 +218,7 @@ def generate_stream(
                             stops, pad_id, fresh)
     finally: model.train(was_training)
 
+@replaces(generation)
 def generate(
     model:nn.Module,  # any model with the protocol: TinyGPT, GPT2, Llama
     prompt_ids,       # (b, T) ids, or a list of 1-D prompts of different lengths
@@ -245,5 +247,3 @@ def generate(
     return rows
 
 generate.__signature__ = _signature_with(generate, generate_stream)
-# the package's generate is this one, wherever it is imported from
-generation.generate_stream, generation.generate = generate_stream, generate

@@ -1,0 +1,158 @@
+"""Every page's version of the story's module, run again.
+
+The story grows `MultiHeadAttention`, `TinyGPT` and the caches page by page: a later page replaces a method with
+`@patch` (or a function with `@replaces`), and the package runs the last version. The earlier versions are what their
+pages teach and run; `.replaced` keeps them. Here each page's set of versions is put back (`as_of`), run on the
+inputs that page supports, and compared with the package's final module on the same weights: the story's modules
+compute what the package computes."""
+import contextlib
+
+import pytest
+import torch
+
+import selfattn_nbdev  # noqa: F401  (every module, so every later version is in place)
+from selfattn_nbdev import decoding, generation
+from selfattn_nbdev.decoding import StaticKVCache
+from selfattn_nbdev.generation import KVCache, TinyGPT, TransformerBlock
+from selfattn_nbdev.multihead import MultiHeadAttention
+
+PAGES = ['multihead', 'generation', 'decoding', 'modern', 'masks']  # the reading order of the modules that grow
+GROWN = [(MultiHeadAttention, ['__init__', 'extra_repr', '_project', '_allowed', '_attend_explicit', '_attend_fused',
+                               'forward']),
+         (TinyGPT, ['__init__', 'forward', 'new_caches']), (TransformerBlock, ['forward']),
+         (KVCache, ['update']), (StaticKVCache, ['_allocate', 'update', '_allowed', '__len__']),
+         (generation, ['generate_stream', 'generate'])]
+
+
+def _page(f) -> int: return PAGES.index(f.__module__.rsplit('.', 1)[-1])
+
+
+def version_at(owner, name: str, page: str):
+    "The version of `owner.name` that a reader of `page` has: the latest defined on that page or before it."
+    f = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+    while f is not None and _page(f) > PAGES.index(page): f = getattr(f, 'replaced', None)
+    return f
+
+
+@contextlib.contextmanager
+def as_of(page: str):
+    "Put back the versions of every grown method and function as they stand after `page`."
+    saved = [(owner, name, owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name))
+             for owner, names in GROWN for name in names]
+    try:
+        for owner, name, _ in saved:
+            f = version_at(owner, name, page)
+            if f is None: delattr(owner, name)  # not there yet: the class's own, or its parent's
+            else: setattr(owner, name, f)
+        yield
+    finally:
+        for owner, name, f in saved: setattr(owner, name, f)
+
+
+def test_the_versions_are_in_reading_order():
+    for owner, names in GROWN:
+        for name in names:
+            f, pages = version_at(owner, name, 'masks'), []
+            while f is not None: pages.append(_page(f)); f = getattr(f, 'replaced', None)
+            assert pages == sorted(pages, reverse=True), (owner, name, pages)
+    assert len({f.__module__ for f in [MultiHeadAttention.forward, MultiHeadAttention.forward.replaced]}) == 2
+
+
+def _pair(page, **options):
+    "A module of `page`'s version and the package's final one, with the same weights."
+    torch.manual_seed(0)
+    final = MultiHeadAttention(8, 8, 16, num_heads=2, **options).double().eval()
+    with as_of(page):
+        story = MultiHeadAttention(8, 8, 16, num_heads=2, **options).double().eval()
+    story.load_state_dict(final.state_dict())
+    return story, final
+
+
+@pytest.mark.parametrize('causal', [True, False])
+def test_the_multihead_page_module_is_the_final_one(causal):
+    story, final = _pair('multihead', causal=causal)
+    x = torch.randn(2, 6, 8, dtype=torch.float64)
+    pad = torch.tensor([[False] * 6, [True] + [False] * 3 + [True] * 2])   # a padded first token: no key at all
+    with torch.no_grad():
+        expected = [final(x), final(x, key_padding_mask=pad), final(x, key_padding_mask=pad, return_attn_weights=True)]
+        with as_of('multihead'):
+            assert MultiHeadAttention.forward.__module__.endswith('multihead')   # the page's own
+            got = [story(x), story(x, key_padding_mask=pad), story(x, key_padding_mask=pad, return_attn_weights=True)]
+    for a, b in zip(got[:2], expected[:2]): assert (a - b).abs().max() < 1e-12
+    assert (got[2][0] - expected[2][0]).abs().max() < 1e-12 and (got[2][1] - expected[2][1]).abs().max() < 1e-12
+
+
+def test_the_generation_page_cache_and_generate():
+    story, final = _pair('generation')
+    x = torch.randn(2, 9, 8, dtype=torch.float64)
+    with torch.no_grad():
+        full = final(x)
+        with as_of('generation'):
+            for explicit in (False, True):
+                cache, outs = KVCache(), []
+                for chunk in (x[:, :4], x[:, 4:5], x[:, 5:]):
+                    out = story(chunk, cache=cache, return_attn_weights=explicit)
+                    outs.append(out[0] if explicit else out)
+                assert (torch.cat(outs, 1) - full).abs().max() < 1e-12
+    torch.manual_seed(0)
+    model = TinyGPT(11, 32, d_model=16, num_heads=2).eval()
+    prompt = torch.randint(0, 11, (2, 5))
+    expected = generation.generate(model, prompt, 8)
+    with as_of('generation'):
+        assert generation.generate.__module__.endswith('generation')
+        assert torch.equal(generation.generate(model, prompt, 8), expected)
+        assert torch.equal(generation.generate(model, prompt, 8, use_cache=False), expected)
+        row, stop = expected[:1], int(expected[0, 6])
+        first = int((row[0, 5:] == stop).nonzero()[0]) + 5      # where row 0 writes its stop id
+        stops = generation.generate(model, prompt[:1], 8, stop_ids=stop)
+        assert torch.equal(stops, row[:, :first + 1])          # it ends there
+        assert [type(c) for c in model.new_caches()] == [KVCache, KVCache]
+        model.train()
+        list(generation.generate_stream(model, prompt, 2))
+        assert model.training                               # the caller's mode comes back
+
+
+def test_the_batches_page_static_cache():
+    story, final = _pair('decoding')
+    x = torch.randn(2, 9, 8, dtype=torch.float64)
+    with torch.no_grad():
+        full = final(x)
+        with as_of('decoding'):
+            cache = StaticKVCache(12)
+            outs = [story(x[:, :4], cache=cache)] + [story(x[:, t:t + 1], cache=cache) for t in range(4, 9)]
+            assert len(cache) == 9 and cache._keys.shape[2] == 12    # no ring before the modern page
+    assert (torch.cat(outs, 1) - full).abs().max() < 1e-12
+
+
+@pytest.mark.parametrize('options', [dict(num_kv_heads=1), dict(window=3), dict(rope=True),
+                                     dict(num_kv_heads=1, window=3, rope=True)])
+def test_the_modern_page_module_is_the_final_one(options):
+    story, final = _pair('modern', **options)
+    x = torch.randn(2, 9, 8, dtype=torch.float64)
+    pad = torch.zeros(2, 9, dtype=torch.bool); pad[1, :2] = True
+    with torch.no_grad():
+        expected = [final(x), final(x, key_padding_mask=pad, return_attn_weights=True)[0]]
+        with as_of('modern'):
+            got = [story(x), story(x, key_padding_mask=pad, return_attn_weights=True)[0]]
+            for cache in (KVCache(), StaticKVCache(12)):
+                steps = torch.cat([story(x[:, :4], cache=cache)] + [story(x[:, t:t + 1], cache=cache)
+                                                                    for t in range(4, 9)], 1)
+                assert (steps - expected[0]).abs().max() < 1e-12
+    for a, b in zip(got, expected): assert (a - b).abs().max() < 1e-12
+
+
+def test_the_modern_page_tiny_gpt():
+    torch.manual_seed(0)
+    final = TinyGPT(11, 32, d_model=16, num_heads=2, rope=True).eval()
+    tokens = torch.randint(0, 11, (2, 7))
+    with as_of('modern'):
+        torch.manual_seed(0)
+        story = TinyGPT(11, 32, d_model=16, num_heads=2, rope=True).eval()
+        assert story.pos_emb is None
+        with torch.no_grad(): got = story(tokens)
+    with as_of('generation'):
+        torch.manual_seed(0)
+        assert TinyGPT(11, 32, d_model=16, num_heads=2).pos_emb is not None   # the story's GPT has a table
+    story.load_state_dict(final.state_dict())
+    with torch.no_grad(): assert (story(tokens) - final(tokens)).abs().max() < 1e-5
+    assert got.shape == (2, 7, 11)

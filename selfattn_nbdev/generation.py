@@ -271,34 +271,6 @@ class KVCache:
                              f"{module.context_length}; call cache.reset() or build a "
                              f"module with a longer context")
 
-    def append(self,
-               keys:Tensor,   # the new tokens' keys, (b, heads, num_tokens, head_dim)
-               values:Tensor, # their values, the same shape
-              ) -> tuple: # keys, values of every cached token, (b, heads, len, hd)
-        "Add the new tokens' keys and values; return those of every cached token."
-        stored = self._keys
-        if stored is not None and (stored.shape[1::2] != keys.shape[1::2]
-                                   or stored.dtype != keys.dtype):  # heads, head_dim
-            raise ValueError(f"this cache holds keys of shape {tuple(self.keys.shape)} "
-                             f"and {stored.dtype}; got {tuple(keys.shape)} and "
-                             f"{keys.dtype}: use one cache per module")
-        kept, new = len(self), keys.shape[2]
-        if stored is None or self._end + new > stored.shape[2]:  # no room at the end
-            capacity = 0 if stored is None else stored.shape[2]
-            if kept + new > capacity // 2:        # over half full: double the storage
-                capacity = max(2 * capacity, kept + new, 16)
-            shape = (*keys.shape[:2], capacity, keys.shape[3])
-            new_keys, new_values = keys.new_empty(shape), values.new_empty(shape)
-            if kept:  # move the cached tokens to the front
-                new_keys[:, :, :kept], new_values[:, :, :kept] = self.keys, self.values
-            self._keys, self._values = new_keys, new_values
-            self._start, self._end = 0, kept
-        self._keys[:, :, self._end:self._end + new] = keys      # (b, h, capacity, hd)
-        self._values[:, :, self._end:self._end + new] = values
-        self._end += new
-        self.num_seen += new
-        return self.keys, self.values                           # (b, h, len, hd)
-
     def positions(self,
                   num_new:int, # tokens about to be added
                   device=None, # where the positions go
@@ -315,6 +287,36 @@ class KVCache:
         return *self.append(keys, values), None
 
     def __repr__(self): return f"KVCache({len(self)} tokens)"
+
+# %% ../nbs/06_generation.ipynb #a79b585a
+@patch
+def append(self:KVCache,
+           keys:Tensor,   # the new tokens' keys, (b, heads, num_tokens, head_dim)
+           values:Tensor, # their values, the same shape
+          ) -> tuple: # keys, values of every cached token, (b, heads, len, hd)
+    "Add the new tokens' keys and values; return those of every cached token."
+    stored = self._keys
+    if stored is not None and (stored.shape[1::2] != keys.shape[1::2]
+                               or stored.dtype != keys.dtype):  # heads, head_dim
+        raise ValueError(f"this cache holds keys of shape {tuple(self.keys.shape)} "
+                         f"and {stored.dtype}; got {tuple(keys.shape)} and "
+                         f"{keys.dtype}: use one cache per module")
+    kept, new = len(self), keys.shape[2]
+    if stored is None or self._end + new > stored.shape[2]:  # no room at the end
+        capacity = 0 if stored is None else stored.shape[2]
+        if kept + new > capacity // 2:        # over half full: double the storage
+            capacity = max(2 * capacity, kept + new, 16)
+        shape = (*keys.shape[:2], capacity, keys.shape[3])
+        new_keys, new_values = keys.new_empty(shape), values.new_empty(shape)
+        if kept:  # move the cached tokens to the front
+            new_keys[:, :, :kept], new_values[:, :, :kept] = self.keys, self.values
+        self._keys, self._values = new_keys, new_values
+        self._start, self._end = 0, kept
+    self._keys[:, :, self._end:self._end + new] = keys      # (b, h, capacity, hd)
+    self._values[:, :, self._end:self._end + new] = values
+    self._end += new
+    self.num_seen += new
+    return self.keys, self.values                           # (b, h, len, hd)
 
 # %% ../nbs/06_generation.ipynb #384b88c2
 @patch

@@ -76,10 +76,10 @@ def check_window(
 def rope_angles(
     positions:Tensor, # integer positions of the tokens, (num_tokens,)
     head_dim:int, # size of the vectors to rotate (even)
-    base:float=10000.0, # the wavelength scale: pair p turns by base^(-2p/head_dim)
+    base:float=10000.0, # the wavelength scale: pair i turns by base^(-2i/head_dim)
     dtype=torch.float32, # float64 for float64 vectors
 ) -> tuple: # cos and sin of every angle, each (num_tokens, head_dim)
-    "The rotation angles of RoPE: position m turns pair p by m * base^(-2p/d)."
+    "The rotation angles of RoPE: position m turns pair i by m * base^(-2i/d)."
     check_size(head_dim, 'head_dim'); check_range(base, 'base', low=1, low_open=True)
     if head_dim % 2:
         raise ValueError(f"RoPE rotates pairs of numbers: head_dim must be even; "

@@ -224,10 +224,10 @@ def mask_case(cuda, device, dtype, batch, d_model, heads, T, window, padded, kv_
         real = slice(None) if pad is None else ~pad                     # the real positions
         row['max_diff'] = (ours_fn()[real].float() - best()[real].float()).abs().max().item()
         if padded or window:                                            # the dense mask, as before
-            blocked, _ = m._masks(T, pad, T)
+            allowed = m._allowed(T, T, pad)                            # (b | 1, 1, T, T)
             groups = heads // m.num_kv_heads
             dense = lambda: projected(lambda q, k, v: F.scaled_dot_product_attention(
-                q, repeat_kv(k, groups), repeat_kv(v, groups), attn_mask=~blocked))
+                q, repeat_kv(k, groups), repeat_kv(v, groups), attn_mask=allowed))
             row['dense_s'], row['dense_peak_bytes'] = timed(dense, reps, cuda)
         if padded:                                                      # and FlexAttention for padding
             mask_mod = and_masks(causal, key_padding(pad))

@@ -175,7 +175,9 @@ def torchrun(tmp_path, name: str, source: str, ranks: int) -> list:
                           '--master-port', str(free_port()), name], cwd=tmp_path, env=env, capture_output=True,
                          text=True, timeout=240)
     assert res.returncode == 0, res.stderr[-3000:]
-    return sorted(res.stdout.splitlines())
+    # the ranks print at once into one pipe: their lines may interleave, so each is found where it is
+    found = re.findall(r'rank \d+ of \d+: sum of ranks \d+|rank \d+: \d+ heads, output \([\d, ]+\)', res.stdout)
+    return sorted(found)
 
 
 @pytest.mark.slow  # starts torchrun twice

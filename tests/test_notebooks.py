@@ -168,3 +168,21 @@ def test_each_definition_is_shown_once(nb):
     names = [f'{cls}.{n}' if cls else n for src in shown for n, cls in DEFINITION.findall(src)]
     twice = sorted({n for n in names if names.count(n) > 1})
     assert not twice, f'{nb.name}: defined twice on the page: {twice}'
+
+
+HASH = re.compile(r'\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}\b')  # a commit, by its look
+LOG = re.compile(r'lent to|this session|since the last change|ran before that change|has not run again|'
+                 r'an earlier run|the first of two runs', re.I)
+
+
+@pytest.mark.parametrize('nb', NOTEBOOKS, ids=lambda p: p.stem)
+def test_pages_are_explanations_not_logs(nb):
+    "No commit hashes, lent machines, sessions or 'since the last change' in what a page shows (text and outputs)."
+    texts = []
+    for c in json.loads(nb.read_text())['cells']:
+        if c['cell_type'] == 'markdown': texts.append(''.join(c['source']))
+        for o in c.get('outputs', []):
+            texts += [''.join(v) for k, v in o.get('data', {}).items() if k in ('text/markdown', 'text/plain')]
+            texts.append(''.join(o.get('text', '')))
+    found = [m for t in texts for m in HASH.findall(t) + LOG.findall(t)]
+    assert not found, f'{nb.name}: the page reads as a log: {found[:5]}'

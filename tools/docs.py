@@ -69,7 +69,8 @@ def reader_additions(nb: Path) -> None:
     for cell in cells:
         src = _text(cell.get('source', ''))
         if cell['cell_type'] == 'code' and cell.get('id') in folded:  # `#| fold`: a long definition, folded
-            names = ', '.join(f'{c}.{n}' if c else n for n, c in DEFINED.findall(src)) or 'the code'
+            names = (', '.join(f'{c}.{n}' if c else n for n, c in DEFINED.findall(src))
+                     or ', '.join(re.findall(r'^([A-Za-z_]\w*)\s*=', src, re.M)) or 'the code')
             cell['source'] = _lines(f'#| code-fold: true\n#| code-summary: "Code: {names}"\n' + src)
         private = PRIVATE_DEF.findall(src) if cell['cell_type'] == 'code' else []
         if private: out.append(_md_cell(''.join(f'<span id="{n.lower()}" class="api-anchor"></span>' for n in private)))

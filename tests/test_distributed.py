@@ -167,8 +167,8 @@ def scripts(notebook: str) -> dict:
     return {name: src for src, name in SCRIPT.findall(text)}
 
 
-def torchrun(tmp_path, name: str, source: str, ranks: int) -> list:
-    "Run a page's script under torchrun on `ranks` CPU ranks; its printed lines, sorted."
+def torchrun(tmp_path, name: str, source: str, ranks: int, line: str) -> list:
+    "Run a page's script under torchrun on `ranks` CPU ranks; the lines it printed that match regex `line`, sorted."
     (tmp_path/name).write_text(source)
     env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH=str(ROOT))
     res = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--nproc-per-node', str(ranks),
@@ -176,8 +176,9 @@ def torchrun(tmp_path, name: str, source: str, ranks: int) -> list:
                          text=True, timeout=240)
     assert res.returncode == 0, res.stderr[-3000:]
     # the ranks print at once into one pipe: their lines may interleave, so each is found where it is
-    found = re.findall(r'rank \d+ of \d+: sum of ranks \d+|rank \d+: \d+ heads, output \([\d, ]+\)', res.stdout)
-    return sorted(found)
+    found = sorted(re.findall(line, res.stdout))
+    assert found, f'no line matching {line!r} in:\n{res.stdout[-3000:]}'
+    return found
 
 
 @pytest.mark.slow  # starts torchrun twice
@@ -185,7 +186,8 @@ def test_the_pages_torchrun_scripts_run_as_shown(tmp_path):
     "The scripts the parallel page shows run under torchrun, and print what the page says they print."
     shown = scripts('13_parallel.ipynb')
     assert sorted(shown) == ['hello_ranks.py', 'split_heads.py']
-    assert torchrun(tmp_path, 'hello_ranks.py', shown['hello_ranks.py'], 4) == [
+    assert torchrun(tmp_path, 'hello_ranks.py', shown['hello_ranks.py'], 4, r'rank \d+ of \d+: sum of ranks \d+') == [
         f'rank {r} of 4: sum of ranks 6' for r in range(4)]
-    assert torchrun(tmp_path, 'split_heads.py', shown['split_heads.py'], 2) == [
+    assert torchrun(tmp_path, 'split_heads.py', shown['split_heads.py'], 2,
+                    r'rank \d+: \d+ heads, output \([\d, ]+\)') == [
         f'rank {r}: 2 heads, output (2, 8, 32)' for r in range(2)]

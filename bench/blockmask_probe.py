@@ -1,7 +1,7 @@
 """What building a block mask costs, per call: uncompiled, and compiled as flex_attend compiles it.
 
 Masks that depend on the batch (key padding, document ids) cannot be built once and kept: the fused path builds
-one per call, or once per forward for a model's blocks (`share_across_blocks`). On CUDA: batch 8, document ids
+one per call, or once per forward for a model's blocks (`_share_across_blocks`). On CUDA: batch 8, document ids
 and key padding at T = 2,048 and 8,192; then MultiHeadAttention with document ids at T = 8,192 (d_model 1,024,
 16 heads, bfloat16), with a tensor of the caller's (built every call), with a shared copy (built once), and with
 the dense mask. --small: tiny sizes on the CPU, to check the script. The figures in bench/gpu.json's probes came
@@ -15,7 +15,7 @@ from torch.nn.attention.flex_attention import create_block_mask
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.gpu import timed  # noqa: E402
 from selfattn_nbdev.masks import (and_masks, causal, documents, flex_mode, key_padding,  # noqa: E402
-                                  share_across_blocks)
+                                  _share_across_blocks as share_across_blocks)
 from selfattn_nbdev.multihead import MultiHeadAttention  # noqa: E402
 
 

@@ -11,7 +11,8 @@ import math
 import torch
 from torch import Tensor, nn
 
-from .core import check_count, check_flag, check_size, check_tokens
+from .core import (check_count, check_flag, check_range, check_size,
+                                 check_tokens)
 
 # %% ../nbs/03_causal.ipynb #abca7e3a
 def check_dropout(p) -> None:
@@ -117,6 +118,10 @@ def leaks_future(
     atol:float=1e-6, # how far a past output or gradient may move before it is a leak
 ) -> bool: # True when the future influenced the past
     "Whether changing the tokens after `t` changes the outputs or gradients at <= `t`."
+    check_tokens(x, None)                      # a float tensor (T, d) or (b, T, d)
+    if isinstance(t, bool) or not isinstance(t, int):
+        raise TypeError(f"t must be a token index, an int; got {t!r}")
+    check_range(atol, 'atol', low=0)
     num_tokens = x.shape[-2]
     if not 0 <= t < num_tokens - 1:  # t = T - 1 has no future: nothing could leak
         raise ValueError(f"t must leave a future to perturb: 0 <= t < num_tokens - 1 = "

@@ -80,6 +80,13 @@ class StaticKVCache:
         if rows is not None and x.shape[0] != rows:
             raise ValueError(f"the cache holds a batch of {rows} sequences; got x "
                              f"with batch size {x.shape[0]}")
+        stored, weight = self._keys, module.W_key.weight
+        if stored is not None and (stored.dtype, stored.device) != (weight.dtype,
+                                                                    weight.device):
+            raise ValueError(f"this cache holds {stored.dtype} keys on "
+                             f"{stored.device}; the module now makes {weight.dtype} on "
+                             f"{weight.device} (moved or cast after the cache was "
+                             f"filled): cache.reset()")
         if self.capacity > module.context_length:
             raise ValueError(f"capacity={self.capacity} is more than the module's "
                              f"context_length={module.context_length}")
@@ -218,6 +225,10 @@ def generate_stream(
                             stops, pad_id, fresh)
     finally: model.train(was_training)
 
+def _synchronize(device:torch.device) -> None:
+    "Wait until the device has run everything queued (a GPU runs behind the host)."
+    if device.type == 'cuda': torch.cuda.synchronize(device)
+
 @replaces(generation)
 def generate(
     model:nn.Module,  # any model with the protocol: TinyGPT, GPT2, Llama
@@ -228,10 +239,13 @@ def generate(
 ): # a tensor (b, T + new) for a tensor; for a list, each prompt + its new tokens
     "Continue every prompt; the same tokens `generate_stream` yields, all at once."
     stream = generate_stream(model, prompt_ids, max_new_tokens, **kwargs)
+    device = next(model.parameters()).device
+    if step_times is not None: _synchronize(device)
     new, start = [], time.perf_counter()
     for next_ids in stream:
         new.append(next_ids)
-        if step_times is not None:
+        if step_times is not None:  # a step's time, not its launch's: wait for it
+            _synchronize(device)
             step_times.append(time.perf_counter() - start); start = time.perf_counter()
     if not isinstance(prompt_ids, (list, tuple)):
         return torch.cat([prompt_ids, *[t[:, None] for t in new]], dim=1)

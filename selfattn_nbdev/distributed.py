@@ -165,8 +165,10 @@ def tensor_parallel(
     degree = mesh.size()
     check_tp_degree(module, degree)
     parallelize_module(module, mesh, tp_plan(module))
-    module.num_heads //= degree      # the heads this rank computes
-    module.num_kv_heads //= degree   # their key/value heads: the groups stay whole
+    # settings are fixed once built (MultiHeadAttention.__setattr__); here they change
+    # with the weights, on purpose: the heads this rank computes, whole groups of them
+    vars(module)['num_heads'] //= degree
+    vars(module)['num_kv_heads'] //= degree
     return module
 
 # %% ../nbs/13_parallel.ipynb #34ee4a16

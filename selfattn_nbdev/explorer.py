@@ -61,7 +61,10 @@ class AttentionExplorer:
             raise ValueError(f"tokens must be a non-empty list of non-empty strings; "
                              f"got {tokens!r}")
         self.tokens, last = list(tokens), len(tokens) - 1
-        X = torch.as_tensor(embeddings, dtype=torch.float64)
+        try: X = torch.as_tensor(embeddings, dtype=torch.float64)
+        except (TypeError, ValueError, RuntimeError):
+            raise TypeError(f"embeddings must be numbers, (num_tokens, d_in); got "
+                            f"{type(embeddings).__name__} {embeddings!r:.60}") from None
         if X.dim() != 2 or X.shape[0] != len(tokens) or X.shape[1] == 0:
             raise ValueError(f"embeddings must have shape (num_tokens, d_in), one row "
                              f"per token ({len(tokens)}); got {tuple(X.shape)}")
@@ -106,6 +109,13 @@ class AttentionExplorer:
         "The explorer that a page's data-inputs describe."
         names = ['tokens', 'embeddings', 'W_query', 'W_key', 'W_value', 'causal',
                  'query', 'head_names']
+        if not isinstance(inputs, dict):
+            raise TypeError(f"inputs must be an explorer's data-inputs, a dict; got "
+                            f"{type(inputs).__name__}")
+        missing = [n for n in names[:5] if n not in inputs]
+        if missing:
+            raise KeyError(f"inputs lacks {missing}: an explorer's data-inputs hold "
+                           f"{names[:5]} at least; got the keys {sorted(inputs)}")
         return cls(**{n: inputs[n] for n in names if n in inputs})
 
     @classmethod
@@ -116,6 +126,15 @@ class AttentionExplorer:
                     **kwargs, # the other arguments of AttentionExplorer (query, ...)
                    ) -> 'AttentionExplorer':
         "An explorer of what `module` computes: its matrices, heads and causal mask."
+        options = {n: v for n, v in (('window', getattr(module, 'window', None)),
+                                     ('rope', getattr(module, 'rope', False)))
+                   if v not in (None, False)}
+        kv_heads = getattr(module, 'num_kv_heads', None)
+        if kv_heads not in (None, getattr(module, 'num_heads', 1)):
+            options['num_kv_heads'] = module.num_kv_heads
+        if options:  # the explorer draws plain scaled dot-product attention, per head
+            raise ValueError(f"the explorer draws attention without a window, RoPE or "
+                             f"shared key/value heads; got a module with {options}")
         layers = [getattr(module, n, None) for n in ('W_query', 'W_key', 'W_value')]
         if all(isinstance(layer, Tensor) for layer in layers):       # x @ W
             mats = layers

@@ -11,8 +11,8 @@ import codecs
 import contextlib
 import inspect
 import io
+import itertools
 import time
-import weakref
 
 import torch
 import torch.nn.functional as F
@@ -53,7 +53,7 @@ class CharTokenizer:
         if unknown:
             raise ValueError(f"characters not in the vocabulary: {unknown}; "
                              f"the tokenizer knows {len(self)} characters")
-        return torch.tensor([self.ids[char] for char in text])
+        return torch.tensor([self.ids[char] for char in text], dtype=torch.long)
 
     def decode(self, token_ids:Tensor) -> str:
         "The characters of a sequence of token ids, (num_tokens,)."
@@ -101,6 +101,7 @@ class TinyGPT(nn.Module):
                 ):
         super().__init__()
         check_size(vocab_size, 'vocab_size'); check_size(num_layers, 'num_layers')
+        check_size(d_model, 'd_model'); check_size(context_length, 'context_length')
         self.vocab_size, self.context_length = vocab_size, context_length
         self.token_emb = nn.Embedding(vocab_size, d_model)
         self.pos_emb = nn.Embedding(context_length, d_model)  # a vector per position
@@ -117,10 +118,12 @@ class TinyGPT(nn.Module):
         "Ids in the vocabulary; one cache per block; no more than context_length."
         check_token_ids(token_ids, self.vocab_size, dims=(2,))
         if torch.compiler.is_compiling(): return  # compiled: generate checked it all
-        if caches is not None and len(caches) != len(self.blocks):
+        if caches is not None and (not isinstance(caches, (list, tuple))
+                                   or len(caches) != len(self.blocks)):
             raise ValueError(f"caches must be a list of {len(self.blocks)} caches, "
                              f"one per block (model.new_caches()); "
                              f"got {caches!r:.60}")
+        for cache in caches or []: _check_cache(cache)  # below, with the caches
         seen = 0 if caches is None else caches[0].num_seen
         num_new = token_ids.shape[1]
         if seen + num_new > self.context_length:
@@ -196,7 +199,10 @@ def sample_next(
     "Pick each row's next token: greedy, or sampled from a truncated distribution."
     _check_sampling(temperature, top_k, top_p)
     if temperature == 0: return logits.argmax(-1)
-    logits = logits.float() / temperature
+    # less the row's largest first: no logit / t can overflow, however small t is
+    # (float64, so that t down to 1e-300 stays a number); the largest becomes 0
+    logits = logits.double()
+    logits = (logits - logits.amax(-1, keepdim=True)) / temperature
     if top_k is not None and top_k < logits.shape[-1]:  # below the k-th: never drawn
         kth = logits.topk(top_k, dim=-1).values[:, -1:]                  # (b, 1)
         logits = logits.masked_fill(logits < kth, -torch.inf)
@@ -210,6 +216,29 @@ def sample_next(
     probs = logits.softmax(-1)
     return torch.multinomial(probs, 1, generator=generator)[:, 0]         # (b,)
 
+# %% ../nbs/06_generation.ipynb #30adf919
+_tokens = itertools.count(1)  # one number per module that has written to a cache
+
+def _owner_token(
+    module:nn.Module, # the attention module about to write to a cache
+) -> tuple: # (its address, a number no other module got)
+    "The module's own token: made once, and again for a copy, whose address differs."
+    token = module.__dict__.get('_cache_token')
+    if token is None or token[0] != id(module):
+        token = (id(module), next(_tokens))
+        module.__dict__['_cache_token'] = token
+    return token
+
+def _check_cache(
+    cache, # what forward was given as cache
+) -> None:
+    "A cache keeps the protocol: check_new_tokens, positions, update."
+    if not all(callable(getattr(cache, n, None))
+               for n in ('check_new_tokens', 'positions', 'update')):
+        raise TypeError(f"cache must be a KVCache or StaticKVCache (or keep their "
+                        f"protocol: check_new_tokens, positions, update); got "
+                        f"{type(cache).__name__} {cache!r:.40}")
+
 # %% ../nbs/06_generation.ipynb #3bbb4b60
 class KVCache:
     "Keys and values of every token a `MultiHeadAttention` has seen, for generation."
@@ -220,7 +249,7 @@ class KVCache:
         self._keys = self._values = None  # storage, (b, heads, capacity, head_dim)
         self._start = self._end = 0       # the cached tokens: storage[:, :, start:end]
         self.num_seen = 0                 # tokens appended since the last reset
-        self._owner = None                # the module writing to it, weakly held
+        self._owner = None                # the token of the module writing to it
 
     def __len__(self) -> int:
         "The number of tokens cached."
@@ -246,12 +275,12 @@ class KVCache:
             raise ValueError("key_padding_mask cannot be combined with a cache, which "
                              "holds rows of equal length; to continue prompts of "
                              "different lengths, give generate a list of prompts")
-        owner = None if self._owner is None else self._owner()
-        if owner is not None and owner is not module:
+        token = _owner_token(module)
+        if self._owner is not None and self._owner != token:
             raise ValueError(f"this cache holds the keys of another module; give every "
                              f"attention module its own (model.new_caches()), or "
                              f"cache.reset() to reuse it")
-        self._owner = weakref.ref(module)
+        self._owner = token
 
     def check_new_tokens(self,
                          x:Tensor, # the new tokens, (b, num_tokens, d_in)
@@ -295,6 +324,11 @@ def append(self:KVCache,
            values:Tensor, # their values, the same shape
           ) -> tuple: # keys, values of every cached token, (b, heads, len, hd)
     "Add the new tokens' keys and values; return those of every cached token."
+    if (not isinstance(keys, Tensor) or keys.dim() != 4
+            or not isinstance(values, Tensor) or values.shape != keys.shape):
+        raise ValueError(f"keys and values must be tensors of one shape (b, heads, "
+                         f"num_tokens, head_dim); got {getattr(keys, 'shape', keys)} "
+                         f"and {getattr(values, 'shape', values)}")
     stored = self._keys
     if stored is not None and (stored.shape[1::2] != keys.shape[1::2]
                                or stored.dtype != keys.dtype):  # heads, head_dim
@@ -331,7 +365,7 @@ def forward(self:MultiHeadAttention,
                                                   return_attn_weights)
     num_tokens = x.shape[1]
     if cache is None: check_context(num_tokens, self.context_length)
-    else: cache.check_new_tokens(x, key_padding_mask, self)
+    else: _check_cache(cache); cache.check_new_tokens(x, key_padding_mask, self)
     queries, keys, values = self._project(x)             # (b, heads, T, hd) each
     allowed = (None if key_padding_mask is None else
                self._allowed(num_tokens, num_tokens, key_padding_mask))

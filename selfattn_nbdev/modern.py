@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from .core import check_count, check_flag, check_range, check_size, patch
 from .causal import check_context, check_dropout, causal_mask
 from .multihead import MultiHeadAttention, check_heads
-from .generation import KVCache, TinyGPT, TransformerBlock
+from .generation import KVCache, TinyGPT, TransformerBlock, _check_cache
 from .decoding import StaticKVCache
 
 # %% ../nbs/09_modern.ipynb #bad67fae
@@ -100,6 +100,10 @@ def rope_rotate(
     sin:Tensor, # sin of the same angles
 ) -> Tensor: # x with each pair (x_p, x_{p + d/2}) turned by its angle
     "Turn every pair of `x` by the angles whose cos and sin are given."
+    if x.shape[-1] % 2 or cos.shape[-1] != x.shape[-1] or sin.shape != cos.shape:
+        raise ValueError(f"rope_rotate turns pairs: x's last size must be even and "
+                         f"equal cos's and sin's; got x {tuple(x.shape)}, cos "
+                         f"{tuple(cos.shape)}, sin {tuple(sin.shape)}")
     first, second = x.chunk(2, dim=-1)                          # (..., T, d / 2) each
     rotated_half = torch.cat([-second, first], dim=-1)          # (-x2, x1)
     return (x * cos + rotated_half * sin).to(x.dtype)
@@ -188,6 +192,10 @@ def extra_repr(self:MultiHeadAttention) -> str:
              f"num_heads={self.num_heads}, causal={self.causal}")
     return sizes + (",\n" + ", ".join(extras) if extras else "")  # a 2nd line
 
+# %% ../nbs/09_modern.ipynb #fd19675a
+MultiHeadAttention._settings = tuple(dict.fromkeys(  # in order, each once
+    MultiHeadAttention._settings + ('num_kv_heads', 'window', 'rope', 'rope_base')))
+
 # %% ../nbs/09_modern.ipynb #dd304562
 @patch
 def _attend_explicit(self:MultiHeadAttention,
@@ -200,11 +208,13 @@ def _attend_explicit(self:MultiHeadAttention,
     group_size = self.num_heads // self.num_kv_heads  # GQA: kv head g serves a group
     keys, values = repeat_kv(keys, group_size), repeat_kv(values, group_size)
     if allowed is None: allowed = self._allowed(queries.shape[2], keys.shape[2])
-    attn_scores = queries @ keys.transpose(2, 3)          # (b, heads, T, keys)
+    half = queries.dtype in (torch.float16, torch.bfloat16)  # scores in float32 then,
+    work = torch.float32 if half else queries.dtype          # as SDPA's kernels do
+    attn_scores = queries.to(work) @ keys.to(work).transpose(2, 3)  # (b, h, T, keys)
     if allowed is not None: attn_scores = attn_scores.masked_fill(~allowed, -torch.inf)
     attn_weights = torch.softmax(attn_scores / math.sqrt(self.head_dim), dim=-1)
     attn_weights = attn_weights.nan_to_num(0.0)  # a query with no key at all: zeros
-    attn_weights = self.dropout(attn_weights)
+    attn_weights = self.dropout(attn_weights).to(values.dtype)
     return attn_weights @ values, attn_weights           # (b, heads, T, head_dim)
 
 # %% ../nbs/09_modern.ipynb #9c86d34e
@@ -292,7 +302,7 @@ def forward(self:MultiHeadAttention,
                                                   return_attn_weights)
     num_tokens = x.shape[1]
     if cache is None: check_context(num_tokens, self.context_length)
-    else: cache.check_new_tokens(x, key_padding_mask, self)
+    else: _check_cache(cache); cache.check_new_tokens(x, key_padding_mask, self)
     positions = None if cache is None else cache.positions(num_tokens, x.device)
     queries, keys, values = self._project(x, positions)  # (b, heads | kv, T, hd)
     masked = key_padding_mask is not None or self.window is not None
@@ -408,6 +418,7 @@ def __init__(self:TinyGPT,
     "The tiny GPT with GQA, a window or RoPE; with RoPE it needs no position table."
     nn.Module.__init__(self)
     check_size(vocab_size, 'vocab_size'); check_size(num_layers, 'num_layers')
+    check_size(d_model, 'd_model'); check_size(context_length, 'context_length')
     self.vocab_size, self.context_length = vocab_size, context_length
     self.token_emb = nn.Embedding(vocab_size, d_model)
     # RoPE puts the positions into every attention score: no table to learn

@@ -83,6 +83,15 @@ class MultiHeadAttention(nn.Module):
 
     _load_from_state_dict = _load_without_saved_mask  # old checkpoints saved a `mask`
 
+    # what __init__ checked and forward reads: fixed, or masks and tables go stale
+    _settings = ('d_in', 'd_out', 'context_length', 'num_heads', 'head_dim', 'causal')
+    def __setattr__(self, name, value):
+        if name in self._settings and name in self.__dict__:
+            raise AttributeError(f"{name} is fixed when the module is built (the masks "
+                                 f"and shapes follow from it); build a new one with "
+                                 f"{name}={value!r}")
+        super().__setattr__(name, value)
+
     def _split_heads(self,
                      t:Tensor, # a projection, (b, num_tokens, heads * head_dim)
                     ) -> Tensor: # (b, heads, num_tokens, head_dim)
@@ -241,6 +250,8 @@ def to_torch_multihead(
     m:MultiHeadAttention, # a module with d_in == d_out (nn.MultiheadAttention's shape)
 ) -> nn.MultiheadAttention: # PyTorch's module (batch_first=True), same function
     "`nn.MultiheadAttention` with the weights of `m`; mask: `causal_mask(T)`."
+    if not isinstance(m, MultiHeadAttention):
+        raise TypeError(f"m must be a MultiHeadAttention; got {type(m).__name__}")
     if m.d_in != m.d_out:
         raise ValueError(f"nn.MultiheadAttention needs d_in == d_out; "
                          f"got d_in={m.d_in}, d_out={m.d_out}")

@@ -17,6 +17,10 @@ def softmax_stable(
     dim:int=-1, # the dimension along which the weights sum to 1
 ) -> Tensor: # same shape as `x`; sums to 1 along `dim`, or is all 0 where all `-inf`
     "`exp(x - max) / sum(exp(x - max))`: no overflow, no `nan`; all `-inf` gives 0s."
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"x must be a floating-point tensor of scores; got "
+                        f"{getattr(x, 'dtype', type(x).__name__)}")
+    if x.shape[dim] == 0: return x.clone()  # no score along dim: no weight to give
     if torch.isposinf(x).any():  # inf - inf = nan: a hidden score is -inf, never +inf
         where = torch.isposinf(x).nonzero()[0].tolist()
         raise ValueError(f"x must not contain +inf (a hidden position is -inf); "

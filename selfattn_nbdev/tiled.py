@@ -43,7 +43,8 @@ def online_softmax(
     l = torch.zeros_like(m)                                             # (..., 1)
     for k0 in range(0, attn_scores.shape[-1], block_size):
         m, l, _, _ = online_softmax_step(m, l, attn_scores[..., k0:k0 + block_size])
-    return torch.exp(attn_scores - m) / l                              # (..., num_keys)
+    shift = m.masked_fill(m == -math.inf, 0.0)  # a row of -inf only: weights 0, no nan
+    return torch.exp(attn_scores - shift) / l.clamp(min=1)  # l >= 1 for any other row
 
 # %% ../nbs/11_tiled.ipynb #ad0cbc90
 def _tile_scores(
@@ -262,4 +263,8 @@ def tiled_attention(
     if block_mask is not None:
         _check_block_mask(block_mask, queries, keys)
         block_size = block_mask.block_size
+    if queries.dtype in (torch.float16, torch.bfloat16):  # the tiles in float32, as
+        out = tiled_attention(queries.float(), keys.float(), values.float(), causal,
+                              block_size, block_mask)     # SDPA's kernels compute them
+        return out.to(values.dtype)
     return _TiledAttention.apply(queries, keys, values, causal, block_size, block_mask)

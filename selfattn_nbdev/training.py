@@ -78,6 +78,17 @@ def check_labels(
                          f"{getattr(labels, 'dtype', type(labels).__name__)} "
                          f"{tuple(getattr(labels, 'shape', ()))}")
 
+def _check_classes(
+    labels:Tensor, # (n,), checked by check_labels
+    num_classes:int, # what the model scores
+) -> None:
+    "Every label a class of the model: 0 to num_classes - 1 (read on CPU only)."
+    if labels.device.type == 'cpu' and len(labels) and not (
+            0 <= labels.min() and labels.max() < num_classes):
+        low, high = labels.min().item(), labels.max().item()
+        raise ValueError(f"labels must be classes 0 to {num_classes - 1} of the model; "
+                         f"got values from {low} to {high}")
+
 # %% ../nbs/05_training.ipynb #2674ae56
 class BankSenseClassifier(nn.Module):
     "Embedding -> `SelfAttention` -> the context vector at `bank` -> linear classifier."
@@ -126,6 +137,7 @@ def train_classifier(
     model.train()
     for _ in range(steps):
         logits = model(token_ids, bank_positions)       # (n, num_classes)
+        if not losses: _check_classes(labels, logits.shape[-1])
         loss = F.cross_entropy(logits, labels)          # a scalar: the mean over n
         optimizer.zero_grad()
         loss.backward()
@@ -142,6 +154,10 @@ def accuracy(
 ) -> float: # between 0 and 1
     "Fraction of sentences whose sense `model` predicts correctly."
     check_labels(labels, len(token_ids))  # (n, 1) would broadcast against (n,)
+    if len(labels) == 0:  # a mean of nothing: no answer to give
+        raise ValueError("accuracy needs at least one sentence; got token_ids of shape "
+                         f"{tuple(token_ids.shape)}")
     with torch.no_grad():
-        predicted = model(token_ids, bank_positions).argmax(-1)   # (n,)
-        return (predicted == labels).float().mean().item()
+        logits = model(token_ids, bank_positions)                 # (n, num_classes)
+        _check_classes(labels, logits.shape[-1])
+        return (logits.argmax(-1) == labels).float().mean().item()

@@ -22,6 +22,7 @@ from selfattn_nbdev.explorer import AttentionExplorer, reference_module
 from selfattn_nbdev.generation import CharTokenizer, TinyGPT, TransformerBlock, sample_next, train_tiny_gpt
 from selfattn_nbdev.decoding import StaticKVCache, generate, generate_stream
 from selfattn_nbdev.modern import check_kv_heads, check_rope, check_window
+from selfattn_nbdev.modern import rope_rotate as R_rope_rotate
 from selfattn_nbdev.tiled import online_softmax, tiled_attention
 from selfattn_nbdev.training import (VOCAB, BankSenseClassifier, accuracy, check_labels, check_sentences,
                                      make_bank_sentences, train_classifier)
@@ -46,6 +47,20 @@ def _bad_gpt2_state():
     state = GPT2LMHeadModel(GPT2Config(**GPT2_CFG)).state_dict()
     state['transformer.wte.weight'] = torch.zeros(3, 8)
     return state
+
+
+def _append_twice():
+    cache = KVCache()
+    cache.append(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4))
+    cache.append(torch.zeros(1, 3, 1, 4), torch.zeros(1, 3, 1, 4))
+
+
+def _static_after_cast():
+    m = MultiHeadAttention(4, 4, 8)
+    cache = StaticKVCache(8)
+    with torch.no_grad(): m(torch.randn(1, 2, 4), cache=cache)
+    m.double()
+    with torch.no_grad(): m(torch.randn(1, 1, 4, dtype=torch.float64), cache=cache)
 
 
 def _second_order_through_tiled():
@@ -424,6 +439,72 @@ CASES = {
     'package_attention causal': (lambda: package_attention(EXPLORER.inputs(), causal='False'), TypeError,
                                  ['causal', "'False'"]),
     'reference_module causal': (lambda: reference_module(EXPLORER, causal=1), TypeError, ['causal', 'got 1']),
+    # --- robustness: inputs found wanting after the first release
+    'explorer from_module window': (lambda: AttentionExplorer.from_module(
+        MultiHeadAttention(4, 4, 8, num_heads=2, window=2), ['a', 'b'], torch.eye(2, 4)), ValueError,
+        ['window', "{'window': 2}"]),
+    'explorer from_module rope': (lambda: AttentionExplorer.from_module(
+        MultiHeadAttention(4, 4, 8, num_heads=2, rope=True), ['a', 'b'], torch.eye(2, 4)), ValueError,
+        ['RoPE', "'rope': True"]),
+    'explorer from_module kv heads': (lambda: AttentionExplorer.from_module(
+        MultiHeadAttention(4, 4, 8, num_heads=2, num_kv_heads=1), ['a', 'b'], torch.eye(2, 4)), ValueError,
+        ['key/value heads', "'num_kv_heads': 1"]),
+    'explorer embeddings strings': (lambda: AttentionExplorer(['a', 'b'], [['x', 'y'], ['z', 'w']], torch.eye(2),
+                                                              torch.eye(2), torch.eye(2)), TypeError,
+                                    ['embeddings', 'list']),
+    'explorer from_inputs keys': (lambda: AttentionExplorer.from_inputs({'tokens': ['a']}), KeyError,
+                                  ['inputs lacks', 'embeddings', "['tokens']"]),
+    'explorer from_inputs list': (lambda: AttentionExplorer.from_inputs([1]), TypeError, ['inputs', 'list']),
+    'accuracy no sentences': (lambda: accuracy(CLF, IDS[:0], LABELS[:0], POS[:0]), ValueError,
+                              ['at least one sentence', '(0, ']),
+    'accuracy labels beyond classes': (lambda: accuracy(CLF, IDS, torch.full_like(LABELS, 5), POS), ValueError,
+                                       ['labels', 'classes 0 to 1', 'from 5 to 5']),
+    'train_classifier labels beyond classes': (lambda: train_classifier(CLF, IDS, LABELS - 1, POS, steps=1),
+                                               ValueError, ['labels', 'classes 0 to 1', 'from -1']),
+    'rope_rotate odd size': (lambda: R_rope_rotate(torch.randn(1, 3, 5), torch.ones(3, 5), torch.ones(3, 5)),
+                             ValueError, ['even', 'x (1, 3, 5)']),
+    'rope_rotate cos size': (lambda: R_rope_rotate(torch.randn(1, 3, 4), torch.ones(3, 6), torch.ones(3, 6)),
+                             ValueError, ['cos (3, 6)']),
+    'softmax_stable list': (lambda: softmax_stable([1.0, 2.0]), TypeError, ['x', 'floating-point', 'list']),
+    'softmax_stable long': (lambda: softmax_stable(torch.tensor([1, 2])), TypeError, ['x', 'torch.int64']),
+    'leaks_future t float': (lambda: leaks_future(CausalAttention(4, 4, 8), torch.randn(5, 4), 1.5), TypeError,
+                             ['t', '1.5']),
+    'leaks_future atol negative': (lambda: leaks_future(CausalAttention(4, 4, 8), torch.randn(5, 4), 1, atol=-1),
+                                   ValueError, ['atol', '-1']),
+    'leaks_future x ints': (lambda: leaks_future(CausalAttention(4, 4, 8), torch.ones(5, 4, dtype=torch.long), 1),
+                            TypeError, ['x', 'int64']),
+    'KVCache append shapes': (lambda: KVCache().append(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 5)),
+                              ValueError, ['keys and values', '(b, heads', 'torch.Size([1, 2, 3, 5])']),
+    'KVCache append 3-D': (lambda: KVCache().append(torch.zeros(2, 3, 4), torch.zeros(2, 3, 4)), ValueError,
+                           ['keys and values', 'torch.Size([2, 3, 4])']),
+    'KVCache append other heads': (lambda: _append_twice(), ValueError, ['holds keys of shape (1, 2, 1, 4)',
+                                                                        '(1, 3, 1, 4)']),
+    'MHA cache list': (lambda: MultiHeadAttention(4, 4, 8)(torch.randn(1, 2, 4), cache=[]), TypeError,
+                       ['cache', 'KVCache', 'list []']),
+    'TinyGPT cache list': (lambda: GPT(torch.zeros(1, 2, dtype=torch.long), [[]]), TypeError, ['cache', 'list']),
+    'TinyGPT caches one cache': (lambda: GPT(torch.zeros(1, 2, dtype=torch.long), KVCache()), ValueError,
+                                 ['caches must be a list of 1', 'KVCache(0 tokens)']),
+    'TinyGPT d_model zero': (lambda: TinyGPT(10, context_length=8, d_model=0, num_heads=1), ValueError,
+                             ['d_model', '0']),
+    'TinyGPT context_length float': (lambda: TinyGPT(10, context_length=8.5, d_model=8, num_heads=1), ValueError,
+                                     ['context_length', '8.5']),
+    'to_torch_multihead not MHA': (lambda: to_torch_multihead(nn.Linear(4, 4)), TypeError,
+                                   ['m', 'MultiHeadAttention', 'Linear']),
+    'package_attention no embeddings': (lambda: package_attention({k: v for k, v in EXPLORER.inputs().items()
+                                                                   if k != 'embeddings'}), KeyError,
+                                        ['inputs lacks', "['embeddings']"]),
+    'to_torch_multihead CausalAttention': (lambda: to_torch_multihead(CausalAttention(4, 4, 8)), TypeError,
+                                           ['m must be a MultiHeadAttention', 'CausalAttention']),
+    'TinyGPT d_model float': (lambda: TinyGPT(10, context_length=8, d_model=16.0, num_heads=1), ValueError,
+                              ['d_model', '16.0']),
+    'TinyGPT context_length negative': (lambda: TinyGPT(10, context_length=-1, d_model=8, num_heads=1), ValueError,
+                                        ['context_length', '-1']),
+    'MHA set causal': (lambda: setattr(MultiHeadAttention(4, 4, 8), 'causal', False), AttributeError,
+                       ['causal is fixed', 'causal=False']),
+    'MHA set window': (lambda: setattr(MultiHeadAttention(4, 4, 8), 'window', 3), AttributeError,
+                       ['window is fixed', 'window=3']),
+    'StaticKVCache after cast': (lambda: _static_after_cast(), ValueError,
+                                 ['torch.float32', 'torch.float64', 'cache.reset()']),
 }
 
 
@@ -460,6 +541,13 @@ def test_counts_of_zero_are_answers():
     assert torch.equal(generate(GPT, prompt, 0), prompt)
     assert train_tiny_gpt(GPT, TOK.encode('abc de' * 5), steps=0, block_size=4) == []
     assert train_classifier(CLF, IDS, LABELS, POS, steps=0) == []
+
+
+def test_empty_and_hidden_inputs_have_documented_answers():
+    assert TOK.encode('').dtype == torch.long and TOK.encode('').shape == (0,)   # ids, even of nothing
+    assert softmax_stable(torch.ones(2, 0)).shape == (2, 0)                      # no scores: no weights
+    all_hidden = torch.full((2, 3), -math.inf)
+    assert (online_softmax(all_hidden) == 0).all() and (softmax_stable(all_hidden) == 0).all()
 
 
 def test_empty_inputs_give_empty_results_on_the_single_head_modules():

@@ -40,3 +40,19 @@ def test_distributed_bench_runs_small():
     assert out['tp']['calls'] == {'all_reduce': 4}
     for per_rank in out['ring'].values():   # 8 query heads, 2 key/value heads: a quarter of the bytes
         assert per_rank[0]['bytes_heads_repeated'] == 4 * per_rank[0]['bytes'] > 0
+
+
+@pytest.mark.slow
+def test_many_lengths_compile_a_few_graphs_not_one_per_length(tmp_path):
+    "bench/lengths.py --small: 40 new lengths on the compiled path; dynamic shapes compile a few graphs, not 40."
+    out = tmp_path / 'lengths.json'
+    res = subprocess.run([sys.executable, str(ROOT / 'bench' / 'lengths.py'), '--small', '--out', str(out)],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert {'date', 'command', 'machine', 'torch'} <= set(result)
+    for kind, run in result['runs'].items():
+        calls = run['calls']
+        assert len(calls) == 41 and len({c['T'] for c in calls}) == 40, kind
+        assert sum(c['compiled'] for c in calls) <= 8, (kind, [c['compiled'] for c in calls])
+        assert not any(c['compiled'] for c in calls[4:]), kind       # nothing new after the first lengths

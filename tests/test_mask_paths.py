@@ -348,7 +348,7 @@ def test_a_model_builds_one_block_mask_per_forward_and_never_a_stale_one(monkeyp
 
 def test_a_shared_copy_written_in_place_or_made_in_inference_mode_is_built_again(monkeypatch):
     import torch.nn.attention.flex_attention as fa
-    from selfattn_nbdev.masks import share_across_blocks
+    from selfattn_nbdev.masks import _share_across_blocks as share_across_blocks
     built = []
     real_build = fa.create_block_mask
     monkeypatch.setattr(fa, 'create_block_mask', lambda *a, **kw: built.append(1) or real_build(*a, **kw))
@@ -391,3 +391,56 @@ def test_flex_attend_makes_room_for_compilations_around_its_own_calls(monkeypatc
     seen.clear()
     flex_attend(q, q, q, causal, compiled=False)                  # uncompiled: nothing to make room for
     assert seen == []
+
+
+def test_flex_mode_belongs_to_its_thread():
+    "Thread A in 'eager', thread B in 'compiled', leaving in the other order: each sees its own, and after, 'auto'."
+    import threading
+    from selfattn_nbdev import masks
+    seen, a_in, b_in, a_out = {}, threading.Event(), threading.Event(), threading.Event()
+    def a():
+        with flex_mode('eager'):
+            a_in.set(); b_in.wait(); seen['a'] = masks._current_mode()
+        a_out.set()
+    def b():
+        a_in.wait()
+        with flex_mode('compiled'):
+            b_in.set(); a_out.wait(); seen['b'] = masks._current_mode()
+        seen['b after'] = masks._current_mode()
+    threads = [threading.Thread(target=f) for f in (a, b)]
+    for t in threads: t.start()
+    for t in threads: t.join(10)
+    assert seen == {'a': 'eager', 'b': 'compiled', 'b after': 'auto'} and masks._current_mode() == 'auto'
+
+
+def test_block_masks_kept_are_bounded(monkeypatch):
+    "A block mask per length is kept, the least recently used given up first: FLEX_BLOCK_MASKS at most."
+    from selfattn_nbdev import masks
+    monkeypatch.setattr(masks, 'FLEX_BLOCK_MASKS', 3)
+    monkeypatch.setitem(masks._flex, 'block_masks', __import__('collections').OrderedDict())
+    for T in (8, 16, 24, 8, 32):                         # 8 is used again: 16 goes first
+        q = torch.randn(1, 1, T, 4)
+        flex_attend(q, q, q, causal, ('causal',), compiled=False)
+    assert [key[1] for key in masks._flex['block_masks']] == [24, 8, 32]
+
+
+def test_the_room_for_compilations_holds_while_threads_overlap(monkeypatch):
+    "Thread 1 enters _room, thread 2 enters, thread 1 leaves: thread 2 keeps its room (torch's config is per thread)."
+    import threading
+    import torch._dynamo.config as dynamo_config
+    from selfattn_nbdev import masks
+    before, seen = dynamo_config.recompile_limit, []
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+    def first():
+        with masks._room(True):
+            first_in.set(); second_in.wait()
+        seen.append(dynamo_config.recompile_limit)          # thread 1, out: its limit back
+        first_out.set()
+    def second():
+        first_in.wait()
+        with masks._room(True):
+            second_in.set(); first_out.wait(); seen.append(dynamo_config.recompile_limit)
+    threads = [threading.Thread(target=f) for f in (first, second)]
+    for t in threads: t.start()
+    for t in threads: t.join(10)
+    assert seen == [before, masks.FLEX_RECOMPILE_LIMIT] and dynamo_config.recompile_limit == before

@@ -177,7 +177,8 @@ PAGE_FACTS = """(VIEWPORT) => {
   // Top-level definitions in the shown code: each name once per page (an exported one is not repeated by show_doc).
   const defs = [];
   for (const c of document.querySelectorAll('main pre code, #quarto-document-content pre code'))
-    for (const l of c.textContent.split('\\n')) { const m = l.match(/^(?:class|def)\\s+(\\w+)/); if (m) defs.push(m[1]); }
+    for (const l of c.textContent.split('\\n')) {  // a method added with @patch counts as Class.name
+      const m = l.match(/^(?:class|def)\\s+(\\w+)(?:\\(self:(\\w+))?/); if (m) defs.push(m[2] ? `${m[2]}.${m[1]}` : m[1]); }
   const twice = [...new Set(defs.filter((d, i) => defs.indexOf(d) !== i))];
   // Table headers may wrap between words, never inside one ("Performanc / e").
   const breaksWords = e => { const s = getComputedStyle(e); return s.overflowWrap === 'anywhere' || s.wordBreak === 'break-all'

@@ -49,7 +49,7 @@ bench: $(INSTALLED) ## time the attention paths against PyTorch's, generation, e
 	$(PY) bench/memory_tiled.py
 	$(PY) bench/masks.py
 	$(PY) bench/pretrained.py
-	$(call run_nbs,nbs/08_performance.ipynb nbs/09_modern.ipynb nbs/10_masks.ipynb nbs/11_tiled.ipynb nbs/12_pretrained.ipynb)
+	$(call run_nbs,nbs/08_performance.ipynb nbs/09_modern.ipynb nbs/10_masks.ipynb nbs/11_tiled.ipynb nbs/13_pretrained.ipynb)
 
 # Run notebooks top to bottom from their own folder with nbdev's engine (execnb's exec_nb), stopping at the first
 # cell that raises, and save them with their fresh outputs, cleaned.

@@ -18,6 +18,7 @@ import selfattn_nbdev.distributed as D
 import selfattn_nbdev.ring as R  # noqa: E402
 import selfattn_nbdev.masks as M
 import selfattn_nbdev.pretrained as P
+import selfattn_nbdev.recent as RC
 from selfattn_nbdev.explorer import AttentionExplorer, reference_module
 from selfattn_nbdev.generation import CharTokenizer, TinyGPT, TransformerBlock, sample_next, train_tiny_gpt
 from selfattn_nbdev.decoding import StaticKVCache, generate, generate_stream
@@ -282,6 +283,33 @@ CASES = {
     'llama_config bias': (lambda: P.llama_config(dict(LLAMA_CFG, attention_bias=True)), ValueError,
                           ['attention_bias=True']),
     'llama_from_hf empty': (lambda: P.llama_from_hf({}, LLAMA_CFG), KeyError, ['embed_tokens.weight']),
+    'llama_config rope_type': (lambda: P.llama_config(dict(LLAMA_CFG, rope_scaling={'rope_type': 'yarn'})),
+                               ValueError, ['rope_scaling', "'yarn'"]),
+    'llama_config model_type': (lambda: P.llama_config(dict(LLAMA_CFG, model_type='gemma2')), ValueError,
+                                ["model_type='gemma2'"]),
+    'from_hf source': (lambda: P.from_hf(3), TypeError, ['source', 'int']),
+    'from_hf path': (lambda: P.from_hf('no/such/file.pt'), FileNotFoundError, ['source', "'no/such/file.pt'"]),
+    'from_hf no config': (lambda: P.from_hf({}), ValueError, ['config', 'None']),
+    'from_hf model_type': (lambda: P.from_hf({}, dict(LLAMA_CFG, model_type='deepseek_v3')), ValueError,
+                           ["model_type='deepseek_v3'"]),
+    'from_hf config': (lambda: P.from_hf({}, 'config.json'), TypeError, ['config', 'str']),
+    # --- attention since 2023
+    'LlamaAttention head_dim': (lambda: RC.LlamaAttention(8, 8, 2, head_dim=0), ValueError, ['head_dim', '0']),
+    'LlamaAttention qk_norm': (lambda: RC.LlamaAttention(8, 8, 2, qk_norm='yes'), TypeError, ['qk_norm', "'yes'"]),
+    'LlamaAttention rope_scaling': (lambda: RC.LlamaAttention(8, 8, 2, rope_scaling=[8.0]), TypeError,
+                                    ['rope_scaling', 'list']),
+    'LlamaAttention llama3 factor': (lambda: RC.LlamaAttention(8, 8, 2, rope_scaling=dict(
+        factor=0.5, low_freq_factor=1, high_freq_factor=4, original_max_position_embeddings=64)), ValueError,
+                                     ['factor', '0.5']),
+    'layer_windows types': (lambda: RC.layer_windows(2, 4, ['local', 'global']), ValueError, ['layer_types', "'local'"]),
+    'layer_windows no window': (lambda: RC.layer_windows(1, None, ['sliding_attention']), ValueError,
+                                ['window is None']),
+    'soft_cap zero': (lambda: RC.soft_cap(torch.ones(2), 0), ValueError, ['cap', '0']),
+    'soft_cap bool': (lambda: RC.soft_cap(torch.ones(2), True), ValueError, ['cap', 'True']),
+    'softmax_with_sink heads': (lambda: RC.softmax_with_sink(torch.ones(2, 3, 3), torch.zeros(3)), ValueError,
+                                ['sink', '(3,)']),
+    'kv_cache_bytes tokens': (lambda: RC.kv_cache_bytes(-1, 2, 8), ValueError, ['num_tokens', '-1']),
+    'kv_cache_bytes per_token': (lambda: RC.kv_cache_bytes(4, 2, 0), ValueError, ['per_token', '0']),
     'gpt2_from_hf shape': (lambda: P.gpt2_from_hf(_bad_gpt2_state(), GPT2_CFG), ValueError, ['wte.weight', '(3, 8)']),
     'from_torch_multihead kdim': (lambda: P.from_torch_multihead(nn.MultiheadAttention(8, 2, kdim=4, vdim=4), 8),
                                   ValueError, ['kdim']),

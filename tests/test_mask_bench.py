@@ -56,3 +56,22 @@ def test_many_lengths_compile_a_few_graphs_not_one_per_length(tmp_path):
         assert len(calls) == 41 and len({c['T'] for c in calls}) == 40, kind
         assert sum(c['compiled'] for c in calls) <= 8, (kind, [c['compiled'] for c in calls])
         assert not any(c['compiled'] for c in calls[4:]), kind       # nothing new after the first lengths
+
+
+@pytest.mark.slow
+def test_the_checkpoint_benchmarks_run_small(tmp_path):
+    "bench/families.py and bench/load_memory.py --small: every family loads, agrees and is timed; the loads are measured."
+    out = tmp_path / 'families.json'
+    res = subprocess.run([sys.executable, str(ROOT / 'bench' / 'families.py'), '--small', '--out', str(out)],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert len(result['families']) == 7
+    for name, r in result['families'].items():
+        assert r['logits_relative_difference'] <= 1e-5 and r['same_tokens'], name
+        assert r['prefill']['ratio'] > 0 and r['decode']['ratio'] > 0, name
+    out = tmp_path / 'load_memory.json'
+    res = subprocess.run([sys.executable, str(ROOT / 'bench' / 'load_memory.py'), '--small', '--out', str(out)],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert set(json.loads(out.read_text())['runs']) == {'from_hf', 'copied', 'transformers'}

@@ -32,6 +32,12 @@ def test_runtime_dependency_is_torch_only():
     assert settings()['requirements'].split() == ['torch>=2.1']
 
 
+def test_the_hf_extra_is_safetensors_alone():
+    "`pip install selfattn_nbdev[hf]` adds the safetensors library (to write checkpoints); reading needs torch."
+    assert settings()['hf_requirements'].split() == ['safetensors>=0.4']
+    assert "'hf': hf_requirements" in (ROOT / 'setup.py').read_text()
+
+
 def test_modules_import_nothing_but_torch_and_stdlib():
     "Every import statement of every module (in functions too) names torch, the standard library or the package."
     import ast

@@ -130,14 +130,17 @@ def test_llama_config_refuses_what_it_lacks():
     assert llama_config(old_style)['rope_base'] == 500000.0            # transformers 4's config.json layout
     llama31 = {'factor': 8.0, 'low_freq_factor': 1.0, 'high_freq_factor': 4.0,
                'original_max_position_embeddings': 8192, 'rope_type': 'llama3'}
-    with pytest.raises(ValueError, match="rope_scaling=.*'llama3'.*not supported"):
-        llama_config({**old_style, 'rope_scaling': llama31})
-    with pytest.raises(ValueError, match="rope_type 'linear'"):
-        llama_config({**config, 'rope_parameters': {'rope_theta': 1e4, 'rope_type': 'linear', 'factor': 2.0}})
+    assert llama_config({**old_style, 'rope_scaling': llama31})['rope_scaling']['factor'] == 8.0
+    with pytest.raises(ValueError, match="rope_type 'dynamic'"):
+        llama_config({**config, 'rope_parameters': {'rope_theta': 1e4, 'rope_type': 'dynamic', 'factor': 2.0}})
+    with pytest.raises(ValueError, match="needs a number for each"):
+        llama_config({**old_style, 'rope_scaling': {'rope_type': 'llama3', 'factor': 8.0}})
     assert llama_config({**old_style, 'rope_scaling': {'rope_type': 'default'}})['rope_base'] == 500000.0
-    for key, value in [('hidden_act', 'gelu'), ('attention_bias', True), ('mlp_bias', True), ('head_dim', 32)]:
+    for key, value in [('hidden_act', 'gelu'), ('attention_bias', True), ('mlp_bias', True)]:
         with pytest.raises(ValueError, match=f'{key}={value!r} is not supported'):
             llama_config({**config, key: value})
+    with pytest.raises(ValueError, match="model_type='gemma2' is not supported"):
+        llama_config({**config, 'model_type': 'gemma2'})
     with pytest.raises(KeyError, match='no intermediate_size'):
         llama_config({**config, 'intermediate_size': None})
     state = hf_llama(10000.0).state_dict()

@@ -1,0 +1,280 @@
+"""Checkpoints from disk (nbs/13_pretrained.ipynb): `read_safetensors` against the format's own library, `from_hf` on
+the folders transformers' `save_pretrained` writes (one file and sharded) for every family the package builds, against
+transformers' logits (1e-5 of the largest, float32) and its greedy `generate` (16 tokens, with the package's cache);
+and what `from_hf` refuses, by name."""
+import json
+import struct
+
+import pytest
+import torch
+
+import transformers
+from safetensors.torch import load_file, save_file
+from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GPT2Config,
+                          GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+
+from selfattn_nbdev.generation import KVCache, generate
+from selfattn_nbdev.pretrained import GPT2, Gemma, Llama, from_hf, gemma_config, read_checkpoint, read_safetensors
+from selfattn_nbdev.recent import LlamaAttention, rope_frequencies
+
+transformers.utils.logging.set_verbosity_error()
+transformers.utils.logging.disable_progress_bar()
+SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=300, initializer_range=0.1, bos_token_id=None,
+             eos_token_id=None, pad_token_id=None)
+LLAMA3 = dict(rope_type='llama3', rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+              original_max_position_embeddings=64)
+FAMILIES = {  # name: (transformers' model, shard size for save_pretrained)
+    'gpt2': (lambda: GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=300, n_embd=64, n_layer=2, n_head=4,
+                                                initializer_range=0.1, bos_token_id=None, eos_token_id=None)), None),
+    'llama': (lambda: LlamaForCausalLM(LlamaConfig(**SMALL)), None),
+    'llama-tied': (lambda: LlamaForCausalLM(LlamaConfig(**SMALL, tie_word_embeddings=True)), '100KB'),
+    'llama3-rope': (lambda: LlamaForCausalLM(LlamaConfig(**SMALL, rope_parameters=LLAMA3)), '100KB'),
+    'mistral-window': (lambda: MistralForCausalLM(MistralConfig(**SMALL, sliding_window=8, head_dim=16)), None),
+    'qwen2-bias': (lambda: Qwen2ForCausalLM(Qwen2Config(**SMALL)), None),
+    'qwen2-sliding-layers': (lambda: Qwen2ForCausalLM(Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=8,
+                                                                  max_window_layers=1)), None),
+    'qwen3-qk-norm': (lambda: Qwen3ForCausalLM(Qwen3Config(**SMALL, head_dim=32)), '100KB'),
+    'qwen3-tied': (lambda: Qwen3ForCausalLM(Qwen3Config(**SMALL, head_dim=16, tie_word_embeddings=True)), None),
+    'llama-linear-rope': (lambda: LlamaForCausalLM(LlamaConfig(**SMALL, rope_parameters=dict(
+        rope_type='linear', rope_theta=10000.0, factor=4.0))), None),
+    'gemma2': (lambda: Gemma2ForCausalLM(Gemma2Config(**SMALL | dict(num_hidden_layers=4, initializer_range=0.02),
+                                                      head_dim=16, sliding_window=8,
+                                                      query_pre_attn_scalar=32)), '100KB'),
+    'gemma2-untied': (lambda: Gemma2ForCausalLM(Gemma2Config(**SMALL, head_dim=16, sliding_window=8,
+                                                             query_pre_attn_scalar=16, tie_word_embeddings=False,
+                                                             attn_logit_softcapping=5.0)), None),
+    'gemma3': (lambda: Gemma3ForCausalLM(Gemma3TextConfig(
+        **SMALL | dict(num_hidden_layers=6, initializer_range=0.02), head_dim=16, sliding_window=8,
+        query_pre_attn_scalar=16, rope_parameters={'sliding_attention': dict(rope_type='default', rope_theta=1e4),
+                                                   'full_attention': dict(rope_type='linear', rope_theta=1e6,
+                                                                          factor=8.0)})), '100KB'),
+}
+
+
+def rel(a, b) -> float: return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.fixture(scope='module', params=list(FAMILIES))
+def saved(request, tmp_path_factory):
+    make, shard = FAMILIES[request.param]
+    torch.manual_seed(0)
+    theirs = make().eval()
+    folder = tmp_path_factory.mktemp(request.param)
+    theirs.save_pretrained(folder, max_shard_size=shard or '1GB')
+    assert (folder/'model.safetensors.index.json').exists() == (shard is not None)
+    return request.param, theirs, folder
+
+
+def test_same_logits_and_greedy_tokens(saved):
+    name, theirs, folder = saved
+    ours = from_hf(folder)
+    assert not ours.training and not any(p.is_meta for p in ours.parameters())
+    token_ids = torch.randint(0, 256, (2, 120), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert rel(ours(token_ids), theirs(token_ids).logits) <= 1e-5, name
+    prompt = token_ids[:1, :16]
+    mine = generate(ours, prompt, 16)
+    assert all(isinstance(c, KVCache) for c in ours.new_caches())   # generate's cache
+    assert torch.equal(mine, theirs.generate(prompt, max_new_tokens=16, do_sample=False)), name
+    assert len(set(mine[0, 16:].tolist())) > 3, name               # not one token repeated
+
+
+def test_tied_heads_stay_tied_and_options_arrive(saved):
+    name, theirs, folder = saved
+    ours = from_hf(folder)
+    assert (ours.head.weight is ours.token_emb.weight) == theirs.config.tie_word_embeddings
+    if isinstance(ours, Gemma):
+        attn = [b.attn for b in ours.blocks]
+        windows = {'gemma3': [8] * 5 + [None]}.get(name, [8, None] * (len(attn) // 2))
+        assert [a.window for a in attn] == windows
+        assert all((a.softcap is not None) == name.startswith('gemma2') for a in attn)
+        assert all((a.q_norm is not None) == (name == 'gemma3') for a in attn)
+        if name == 'gemma3':   # the global block's RoPE: base 1e6, linear; the local ones: 1e4
+            assert [(a.rope_base, a.rope_scaling) for a in attn[4:]] == [
+                (1e4, None), (1e6, {'rope_type': 'linear', 'factor': 8.0})]
+    if isinstance(ours, Llama):
+        attn = [b.attn for b in ours.blocks]
+        assert all(isinstance(a, LlamaAttention) for a in attn)
+        assert [a.window for a in attn] == {'mistral-window': [8, 8], 'qwen2-sliding-layers': [None, 8]}.get(
+            name, [None, None])
+        assert all((a.q_norm is not None) == name.startswith('qwen3') for a in attn)
+        assert all((a.W_query.bias is not None) == name.startswith('qwen2') for a in attn)
+        assert all((a.rope_scaling is not None) == (name in ('llama3-rope', 'llama-linear-rope')) for a in attn)
+
+
+def test_the_options_matter():
+    "Each option changes the function: a test above that passed with one ignored would be no proof."
+    torch.manual_seed(0)
+    x = torch.randn(1, 40, 64)
+    base = LlamaAttention(64, 300, 4, 2)
+    for options in [dict(rope_scaling={**LLAMA3, 'rope_type': 'llama3'}), dict(window=8), dict(qk_norm=True)]:
+        other = LlamaAttention(64, 300, 4, 2, **options)
+        other.load_state_dict(base.state_dict(), strict=False)
+        with torch.no_grad():
+            assert (other(x) - base(x)).abs().max() > 1e-3, options
+
+
+@pytest.mark.parametrize('path', ['explicit', 'fused', 'masked', 'cached'])
+def test_soft_capping_on_every_path_forward_and_backward(path):
+    "A capped LlamaAttention against the capped scores computed by hand in float64, outputs and gradients."
+    torch.manual_seed(0)
+    attn = LlamaAttention(32, 40, num_heads=4, num_kv_heads=2, softcap=3.0, query_scale=0.2, window=6).double()
+    x = torch.randn(2, 10, 32, dtype=torch.float64, requires_grad=True)
+    pad = torch.zeros(2, 10, dtype=torch.bool)
+    pad[1, :2] = True                                             # two padded keys in row 1
+
+    def by_hand(x):
+        q, k, v = attn._project(x)
+        k, v = (t.repeat_interleave(2, dim=1) for t in (k, v))
+        s = 3.0 * torch.tanh(q @ k.transpose(2, 3) / 8 ** 0.5 / 3.0)   # head_dim 8
+        i, j = torch.arange(10)[:, None], torch.arange(10)
+        allowed = (j <= i) & (i - j < 6)
+        if path == 'masked': allowed = allowed & ~pad[:, None, None, :]
+        w = torch.softmax(s.masked_fill(~allowed, -torch.inf), -1).nan_to_num(0.0)
+        return attn.out_proj(attn._merge_heads(w @ v))
+
+    if path == 'explicit': out = attn(x, return_attn_weights=True)[0]
+    elif path == 'fused': out = attn(x)
+    elif path == 'masked': out = attn(x, key_padding_mask=pad)
+    else:
+        cache = KVCache()
+        out = torch.cat([attn(x[:, :4], cache=cache)] + [attn(x[:, i:i + 1], cache=cache) for i in range(4, 10)], 1)
+    expected = by_hand(x)
+    if path == 'masked': out, expected = out[~pad], expected[~pad]
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    g = torch.randn_like(out)
+    mine = torch.autograd.grad(out, [x] + list(attn.parameters()), g)
+    theirs = torch.autograd.grad(expected, [x] + list(attn.parameters()), g)
+    for a, b in zip(mine, theirs): torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_the_cap_changes_the_function():
+    torch.manual_seed(0)
+    x = torch.randn(1, 12, 32)
+    plain = LlamaAttention(32, 40, 4, 2)
+    capped = LlamaAttention(32, 40, 4, 2, softcap=0.5)
+    capped.load_state_dict(plain.state_dict())
+    with torch.no_grad(): assert (plain(x) - capped(x)).abs().max() > 1e-3
+
+
+def test_gemma_config_refuses_by_name():
+    config = Gemma2Config(**SMALL, head_dim=16).to_dict()
+    with pytest.raises(ValueError, match="use_bidirectional_attention=True is not supported"):
+        gemma_config({**config, 'use_bidirectional_attention': True})
+    with pytest.raises(ValueError, match="model_type='gemma' is not supported"):
+        gemma_config({**config, 'model_type': 'gemma'})
+    with pytest.raises(ValueError, match="sliding blocks' RoPE"):
+        gemma_config({**config, 'model_type': 'gemma3_text', 'rope_parameters': {
+            'full_attention': dict(rope_type='default', rope_theta=1e6),
+            'sliding_attention': dict(rope_type='yarn', rope_theta=1e4, factor=2.0)}})
+    with pytest.raises(KeyError, match='no query_pre_attn_scalar'):
+        gemma_config({**config, 'query_pre_attn_scalar': None})
+
+
+def test_dtype_and_a_single_file(tmp_path):
+    torch.manual_seed(0)
+    theirs = Qwen3ForCausalLM(Qwen3Config(**SMALL, head_dim=32)).eval()
+    theirs.save_pretrained(tmp_path)
+    ours = from_hf(tmp_path/'model.safetensors', dtype=torch.float64)          # config.json beside it
+    assert {p.dtype for p in ours.parameters()} == {torch.float64}
+    token_ids = torch.randint(0, 256, (1, 30))
+    with torch.no_grad():
+        assert rel(ours(token_ids).float(), theirs(token_ids).logits) <= 1e-5
+    bf16 = from_hf(tmp_path, dtype=torch.bfloat16)
+    assert {p.dtype for p in bf16.parameters()} == {torch.bfloat16}
+
+
+def test_a_state_dict_is_copied_not_taken():
+    torch.manual_seed(0)
+    theirs = LlamaForCausalLM(LlamaConfig(**SMALL)).eval()
+    state = theirs.state_dict()
+    ours = from_hf(state, theirs.config.to_dict())
+    before = state['model.embed_tokens.weight'].clone()
+    with torch.no_grad(): ours.token_emb.weight.add_(1.0)
+    assert torch.equal(state['model.embed_tokens.weight'], before)
+
+
+def test_writes_to_loaded_weights_stay_out_of_the_file(tmp_path):
+    "The mapping is private: training the loaded model never changes the checkpoint."
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**SMALL)).save_pretrained(tmp_path)
+    before = (tmp_path/'model.safetensors').read_bytes()
+    ours = from_hf(tmp_path)
+    with torch.no_grad():
+        for p in ours.parameters(): p.mul_(2.0)
+    del ours
+    assert (tmp_path/'model.safetensors').read_bytes() == before
+
+
+@pytest.mark.parametrize('dtype', [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64,
+                                   torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+                                   torch.float8_e4m3fn, torch.float8_e5m2])
+def test_read_safetensors_equals_the_library(tmp_path, dtype):
+    t = (torch.randn(3, 5) * 10).to(dtype)
+    save_file({'t': t, 'scalar': t[0, 0].clone(), 'empty': t[:0]}, tmp_path/'x.safetensors')
+    ours, theirs = read_safetensors(tmp_path/'x.safetensors'), load_file(tmp_path/'x.safetensors')
+    for name in theirs:
+        assert ours[name].dtype == theirs[name].dtype and ours[name].shape == theirs[name].shape
+        assert torch.equal(ours[name].reshape(-1).view(torch.uint8), theirs[name].reshape(-1).view(torch.uint8))
+
+
+def write_by_hand(path, header: dict, payload: bytes):
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack('<Q', len(text)) + text + payload)
+
+
+def test_a_misaligned_tensor_is_copied(tmp_path):
+    "A float32 tensor that starts one byte in: still read right (the reader copies it)."
+    write_by_hand(tmp_path/'m.safetensors', {'a': dict(dtype='U8', shape=[1], data_offsets=[0, 1]),
+                                             'b': dict(dtype='F32', shape=[2], data_offsets=[1, 9])},
+                  b'\x07' + struct.pack('<2f', 1.5, -2.0) + b'\x00' * 7)
+    t = read_safetensors(tmp_path/'m.safetensors')
+    assert t['a'].tolist() == [7] and t['b'].tolist() == [1.5, -2.0]
+
+
+def test_what_is_refused_is_named(tmp_path):
+    write_by_hand(tmp_path/'f4.safetensors', {'a': dict(dtype='F4', shape=[2], data_offsets=[0, 1])}, b'\x00')
+    with pytest.raises(ValueError, match='dtype F4'): read_safetensors(tmp_path/'f4.safetensors')
+    (tmp_path/'junk.safetensors').write_bytes(b'\xff' * 32)
+    with pytest.raises(ValueError, match='is not a safetensors file'): read_safetensors(tmp_path/'junk.safetensors')
+    pickled = tmp_path/'pickled'; pickled.mkdir()
+    (pickled/'pytorch_model.bin').write_bytes(b'not read'); (pickled/'config.json').write_text('{}')
+    with pytest.raises(FileNotFoundError, match=r'\.bin files would be unpickled'): from_hf(pickled)
+    with pytest.raises(FileNotFoundError, match='must be a state dict'): from_hf(tmp_path/'nothing.pt')
+    with pytest.raises(TypeError, match='got int'): from_hf(3)
+    with pytest.raises(ValueError, match='no config.json is beside'): from_hf({'a': torch.zeros(1)})
+    config = LlamaConfig(**SMALL).to_dict()
+    for kind in ('gemma', 'deepseek_v3', 'mixtral'):
+        with pytest.raises(ValueError, match=f"model_type='{kind}' is not supported"):
+            from_hf({}, {**config, 'model_type': kind})
+    with pytest.raises(KeyError, match='no model_type'):
+        from_hf({}, {k: v for k, v in config.items() if k != 'model_type'})
+    with pytest.raises(ValueError, match='layer_types must list'):
+        from_hf({}, {**config, 'model_type': 'qwen2', 'use_sliding_window': True, 'sliding_window': 8,
+                     'layer_types': ['full_attention']})
+    with pytest.raises(ValueError, match="rope_type='yarn' is not supported"):
+        LlamaAttention(64, 300, 4, rope_scaling={'rope_type': 'yarn', 'factor': 4.0})
+    with pytest.raises(AttributeError, match='rope_scaling is fixed'):
+        LlamaAttention(64, 300, 4).rope_scaling = {'factor': 2.0}
+
+
+def test_rope_frequencies_blend_between_the_thresholds():
+    "Below L/high kept, above L/low divided by the factor, monotone in between (float64)."
+    s = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+    theta = rope_frequencies(128, 500000.0, dtype=torch.float64)
+    scaled = rope_frequencies(128, 500000.0, s, dtype=torch.float64)
+    wavelength = 2 * torch.pi / theta
+    assert torch.equal(scaled[wavelength < 2048], theta[wavelength < 2048])
+    torch.testing.assert_close(scaled[wavelength > 8192], theta[wavelength > 8192] / 8, rtol=1e-15, atol=0)
+    ratio = theta / scaled
+    assert (ratio[1:] >= ratio[:-1]).all()
+
+
+def test_read_checkpoint_returns_the_config(tmp_path):
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=16, n_layer=1, n_head=2)).save_pretrained(tmp_path)
+    tensors, config = read_checkpoint(tmp_path)
+    assert config['model_type'] == 'gpt2' and 'transformer.h.0.attn.c_attn.weight' in tensors
+    assert isinstance(from_hf(tmp_path), GPT2)

@@ -1,4 +1,4 @@
-"""The splits of nbs/14_parallel.ipynb on gloo CPU ranks (forked from a server process): tensor parallelism on 4 ranks,
+"""The splits of nbs/15_parallel.ipynb on gloo CPU ranks (forked from a server process): tensor parallelism on 4 ranks,
 FSDP2, and run_ranks itself: its results, its report of which rank failed first, its timeout; every check on one rank
 in this process too, so that coverage sees the code the ranks run. The ring's tests are in tests/test_ring.py."""
 import json, os, re, subprocess, sys, tempfile, time
@@ -184,7 +184,7 @@ def torchrun(tmp_path, name: str, source: str, ranks: int, line: str) -> list:
 @pytest.mark.slow  # starts torchrun twice
 def test_the_pages_torchrun_scripts_run_as_shown(tmp_path):
     "The scripts the parallel page shows run under torchrun, and print what the page says they print."
-    shown = scripts('14_parallel.ipynb')
+    shown = scripts('15_parallel.ipynb')
     assert sorted(shown) == ['hello_ranks.py', 'split_heads.py']
     assert torchrun(tmp_path, 'hello_ranks.py', shown['hello_ranks.py'], 4, r'rank \d+ of \d+: sum of ranks \d+') == [
         f'rank {r} of 4: sum of ranks 6' for r in range(4)]

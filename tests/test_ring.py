@@ -1,4 +1,4 @@
-"""Ring attention and context parallelism (nbs/15_ring.ipynb) on gloo CPU ranks: against SDPA on 2 ranks for every
+"""Ring attention and context parallelism (nbs/16_ring.ipynb) on gloo CPU ranks: against SDPA on 2 ranks for every
 order, mask, dtype and key/value head count over five seeds, a whole layer on 2 ranks in both orders, the torchrun
 script the page shows; and every check on one rank in this process, so that coverage sees the code the ranks run.
 
@@ -123,7 +123,7 @@ def test_bench_counts_what_the_page_says():
 
 @pytest.mark.slow  # starts torchrun
 def test_the_pages_torchrun_script_runs_as_shown(tmp_path):
-    shown = scripts('15_ring.ipynb')
+    shown = scripts('16_ring.ipynb')
     assert list(shown) == ['long_sequence.py']
     assert torchrun(tmp_path, 'long_sequence.py', shown['long_sequence.py'], 4,
                     r'rank \d+: tokens \([\d, ]+\), output \([\d, ]+\)') == [

@@ -1,6 +1,7 @@
 """Prefill and decode of every family `from_hf` loads, beside transformers on the same weights, on the CPU.
 
     python bench/families.py [--small] [--rounds 5] [--out bench/families.json]
+    python bench/families.py --device cuda --dtype bfloat16 --out bench/families_gpu.json   # on a GPU
 
 For each family (GPT-2, Llama with llama3 RoPE, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3) a random model of
 transformers with 4 blocks of width 512 (8 query heads of 64, 2 key/value heads where the family has them, a vocabulary
@@ -12,7 +13,9 @@ of 4,096) is saved with `save_pretrained` and loaded with `from_hf`. Then, batch
 
 The two take turns within each round after a warm-up; the ratio is transformers' median time over the package's (above
 1: the package is faster). Also recorded: the largest logit difference over the largest logit, and whether the 128
-tokens are the same. Printed and saved, never asserted.
+tokens are the same. Printed and saved, never asserted. On a GPU (`--device cuda`, in `--dtype bfloat16`) every time
+is taken after `torch.cuda.synchronize()`, the device's name is recorded, and a family that fails is recorded with its
+error rather than stopping the others; in half precision the tokens may legitimately part after a near tie.
 """
 import argparse, datetime, json, os, platform, re, shlex, statistics, sys, tempfile, time
 from pathlib import Path
@@ -55,10 +58,40 @@ def families(d: int, layers: int, vocab: int, context: int) -> dict:
     }
 
 
-def timed(fn) -> tuple:
+def timed(fn, device: str) -> tuple:
+    "fn's result and its seconds, the device's queue drained before and after."
+    sync = torch.cuda.synchronize if device.startswith('cuda') else (lambda: None)
+    sync()
     start = time.perf_counter()
     out = fn()
+    sync()
     return out, time.perf_counter() - start
+
+
+def measure(make, tokens, prompt, new: int, rounds: int, device: str, dtype) -> dict:
+    "One family: saved, loaded with from_hf, compared, then prefill and decode timed in turns."
+    torch.manual_seed(0)
+    theirs = make().eval()
+    with tempfile.TemporaryDirectory() as folder:
+        theirs.save_pretrained(folder)
+        ours = from_hf(folder, dtype=dtype, device=device)
+    theirs = theirs.to(device=device, dtype=dtype)
+    with torch.no_grad():
+        a_logits, b_logits = ours(tokens).float(), theirs(tokens).logits.float()
+        r = dict(logits_relative_difference=((a_logits - b_logits).abs().max() / b_logits.abs().max()).item())
+        runs = {'prefill': (lambda: ours(tokens), lambda: theirs(tokens)),
+                'decode': (lambda: generate(ours, prompt, new),
+                           lambda: theirs.generate(prompt, max_new_tokens=new, do_sample=False))}
+        for kind, (mine_fn, their_fn) in runs.items():
+            mine_fn(); their_fn()                                   # warm-up
+            t_ours, t_theirs = [], []
+            for _ in range(rounds):
+                mine, t = timed(mine_fn, device); t_ours.append(t)
+                ref, t = timed(their_fn, device); t_theirs.append(t)
+            r[kind] = dict(ours_s=statistics.median(t_ours), transformers_s=statistics.median(t_theirs),
+                           ratio=statistics.median(t_theirs) / statistics.median(t_ours))
+            if kind == 'decode': r['same_tokens'] = torch.equal(mine, ref)
+    return r
 
 
 def main():
@@ -66,7 +99,10 @@ def main():
     ap.add_argument('--small', action='store_true', help='width 128, 2 blocks, 64 tokens: checks the script')
     ap.add_argument('--rounds', type=int, default=5)
     ap.add_argument('--out', default=None)
+    ap.add_argument('--device', default='cpu')
+    ap.add_argument('--dtype', default='float32', choices=['float32', 'bfloat16', 'float16'])
     a = ap.parse_args()
+    dtype = getattr(torch, a.dtype)
     hf_logging.set_verbosity_error(); hf_logging.disable_progress_bar()
     d, layers, vocab, T, prompt_len, new = (128, 2, 512, 64, 8, 16) if a.small else (512, 4, 4096, 512, 32, 128)
     rounds = 2 if a.small else a.rounds
@@ -74,6 +110,7 @@ def main():
     cpu = next((l.split(':', 1)[1].strip() for l in Path('/proc/cpuinfo').read_text().splitlines()
                 if l.startswith('model name')), platform.machine())
     result = dict(machine=dict(cpu_model=cpu, cpu_count=os.cpu_count()), torch=torch.__version__,
+                  device=torch.cuda.get_device_name() if a.device.startswith('cuda') else 'cpu', dtype=a.dtype,
                   transformers=transformers.__version__, threads=torch.get_num_threads(),
                   date=datetime.date.today().isoformat(),
                   command=shlex.join(['python', 'bench/families.py'] + sys.argv[1:]),
@@ -81,32 +118,16 @@ def main():
                   config=dict(d_model=d, num_layers=layers, vocab_size=vocab, prefill_tokens=T,
                               prompt_tokens=prompt_len, new_tokens=new, rounds=rounds), families={})
     gen = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, vocab, (1, T), generator=gen)
+    tokens = torch.randint(0, vocab, (1, T), generator=gen).to(a.device)
     prompt = tokens[:, :prompt_len]
     for name, make in families(d, layers, vocab, 2 * T).items():
-        torch.manual_seed(0)
-        theirs = make().eval()
-        with tempfile.TemporaryDirectory() as folder:
-            theirs.save_pretrained(folder)
-            ours = from_hf(folder)
-            with torch.no_grad():
-                a_logits, b_logits = ours(tokens), theirs(tokens).logits
-                diff = ((a_logits - b_logits).abs().max() / b_logits.abs().max()).item()
-                runs = {'prefill': (lambda: ours(tokens), lambda: theirs(tokens)),
-                        'decode': (lambda: generate(ours, prompt, new),
-                                   lambda: theirs.generate(prompt, max_new_tokens=new, do_sample=False))}
-                r = dict(logits_relative_difference=diff)
-                for kind, (mine_fn, their_fn) in runs.items():
-                    mine_fn(); their_fn()                                   # warm-up
-                    t_ours, t_theirs = [], []
-                    for _ in range(rounds):
-                        mine, t = timed(mine_fn); t_ours.append(t)
-                        ref, t = timed(their_fn); t_theirs.append(t)
-                    r[kind] = dict(ours_s=statistics.median(t_ours), transformers_s=statistics.median(t_theirs),
-                                   ratio=statistics.median(t_theirs) / statistics.median(t_ours))
-                    if kind == 'decode': r['same_tokens'] = torch.equal(mine, ref)
-        result['families'][name] = r
-        print(f"{name:<30} logits {diff:.1e}  prefill {r['prefill']['ours_s'] * 1e3:7.1f} ms "
+        try: result['families'][name] = r = measure(make, tokens, prompt, new, rounds, a.device, dtype)
+        except Exception as e:   # another transformers version may lack a family: say so, go on
+            result['families'][name] = dict(error=f'{type(e).__name__}: {e}'[:500])
+            print(f'{name:<30} failed: {type(e).__name__}: {e}'[:300], flush=True)
+            continue
+        print(f"{name:<30} logits {r['logits_relative_difference']:.1e}  prefill "
+              f"{r['prefill']['ours_s'] * 1e3:7.1f} ms "
               f"(transformers {r['prefill']['transformers_s'] * 1e3:7.1f}, {r['prefill']['ratio']:.2f}x)  decode "
               f"{new / r['decode']['ours_s']:6.0f} tokens/s (transformers {new / r['decode']['transformers_s']:6.0f}, "
               f"{r['decode']['ratio']:.2f}x)  same tokens {r['same_tokens']}", flush=True)

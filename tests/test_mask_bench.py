@@ -68,6 +68,7 @@ def test_the_checkpoint_benchmarks_run_small(tmp_path):
     result = json.loads(out.read_text())
     assert len(result['families']) == 7
     for name, r in result['families'].items():
+        assert 'error' not in r, (name, r)
         assert r['logits_relative_difference'] <= 1e-5 and r['same_tokens'], name
         assert r['prefill']['ratio'] > 0 and r['decode']['ratio'] > 0, name
     out = tmp_path / 'load_memory.json'

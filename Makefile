@@ -41,15 +41,16 @@ test-quick: $(INSTALLED) ## the edit loop: make test without coverage, `#| slow`
 test-site: $(INSTALLED) ## build the site, serve it on 127.0.0.1 and walk every page in headless Chromium
 	$(PY) -m pytest -m site -s -q
 
-bench: $(INSTALLED) ## time the attention paths against PyTorch's, generation, eager and compiled decode, GQA/window/RoPE, tiled and masked memory, GPT-2/Llama against transformers (~25 min)
+bench: $(INSTALLED) ## time the attention paths against PyTorch's, generation, eager and compiled decode, GQA/window/RoPE, tiled and masked memory, every checkpoint family against transformers, loading memory (~30 min)
 	$(PY) bench/benchmark.py
 	$(PY) bench/generation.py
 	$(PY) bench/decode.py
 	$(PY) bench/modern.py
 	$(PY) bench/memory_tiled.py
 	$(PY) bench/masks.py
-	$(PY) bench/pretrained.py
-	$(call run_nbs,nbs/08_performance.ipynb nbs/09_modern.ipynb nbs/10_masks.ipynb nbs/11_tiled.ipynb nbs/13_pretrained.ipynb)
+	$(PY) bench/families.py
+	$(PY) bench/load_memory.py
+	$(call run_nbs,nbs/08_performance.ipynb nbs/09_modern.ipynb nbs/10_masks.ipynb nbs/11_tiled.ipynb nbs/14_checkpoints.ipynb nbs/95_measurements.ipynb)
 
 # Run notebooks top to bottom from their own folder with nbdev's engine (execnb's exec_nb), stopping at the first
 # cell that raises, and save them with their fresh outputs, cleaned.

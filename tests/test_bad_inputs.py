@@ -296,6 +296,8 @@ CASES = {
     # --- attention since 2023
     'LlamaAttention head_dim': (lambda: RC.LlamaAttention(8, 8, 2, head_dim=0), ValueError, ['head_dim', '0']),
     'LlamaAttention qk_norm': (lambda: RC.LlamaAttention(8, 8, 2, qk_norm='yes'), TypeError, ['qk_norm', "'yes'"]),
+    'LlamaAttention sinks': (lambda: RC.LlamaAttention(8, 8, 2, sinks=1), TypeError, ['sinks', '1']),
+    'LlamaAttention softcap': (lambda: RC.LlamaAttention(8, 8, 2, softcap=-1.0), ValueError, ['softcap', '-1.0']),
     'LlamaAttention rope_scaling': (lambda: RC.LlamaAttention(8, 8, 2, rope_scaling=[8.0]), TypeError,
                                     ['rope_scaling', 'list']),
     'LlamaAttention llama3 factor': (lambda: RC.LlamaAttention(8, 8, 2, rope_scaling=dict(

@@ -116,11 +116,16 @@ def test_the_options_matter():
             assert (other(x) - base(x)).abs().max() > 1e-3, options
 
 
+@pytest.mark.parametrize('mods', ['cap', 'sinks', 'both'])
 @pytest.mark.parametrize('path', ['explicit', 'fused', 'masked', 'cached'])
-def test_soft_capping_on_every_path_forward_and_backward(path):
-    "A capped LlamaAttention against the capped scores computed by hand in float64, outputs and gradients."
+def test_score_modifiers_on_every_path_forward_and_backward(path, mods):
+    "Capped scores and sinks against the same computed by hand in float64: outputs and every gradient."
     torch.manual_seed(0)
-    attn = LlamaAttention(32, 40, num_heads=4, num_kv_heads=2, softcap=3.0, query_scale=0.2, window=6).double()
+    cap = None if mods == 'sinks' else 3.0
+    attn = LlamaAttention(32, 40, num_heads=4, num_kv_heads=2, softcap=cap, query_scale=0.2, window=6,
+                          sinks=mods != 'cap').double()
+    if attn.sinks is not None:
+        with torch.no_grad(): attn.sinks.copy_(torch.tensor([-2.0, 0.0, 1.0, 3.0]))
     x = torch.randn(2, 10, 32, dtype=torch.float64, requires_grad=True)
     pad = torch.zeros(2, 10, dtype=torch.bool)
     pad[1, :2] = True                                             # two padded keys in row 1
@@ -128,11 +133,16 @@ def test_soft_capping_on_every_path_forward_and_backward(path):
     def by_hand(x):
         q, k, v = attn._project(x)
         k, v = (t.repeat_interleave(2, dim=1) for t in (k, v))
-        s = 3.0 * torch.tanh(q @ k.transpose(2, 3) / 8 ** 0.5 / 3.0)   # head_dim 8
+        s = q @ k.transpose(2, 3) / 8 ** 0.5                                # head_dim 8
+        if cap: s = cap * torch.tanh(s / cap)
         i, j = torch.arange(10)[:, None], torch.arange(10)
         allowed = (j <= i) & (i - j < 6)
         if path == 'masked': allowed = allowed & ~pad[:, None, None, :]
-        w = torch.softmax(s.masked_fill(~allowed, -torch.inf), -1).nan_to_num(0.0)
+        s = s.masked_fill(~allowed, -torch.inf)
+        if attn.sinks is None: w = torch.softmax(s, -1).nan_to_num(0.0)
+        else:   # one more term per head in the denominator, by the formula
+            e = s.exp()
+            w = e / (attn.sinks.exp()[:, None, None] + e.sum(-1, keepdim=True))
         return attn.out_proj(attn._merge_heads(w @ v))
 
     if path == 'explicit': out = attn(x, return_attn_weights=True)[0]

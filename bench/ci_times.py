@@ -8,17 +8,12 @@ Clones the repository's HEAD into a temporary folder with `../shared` beside it,
 `make test-site`. For each it records the wall-clock seconds, the CPU seconds of its child processes and, for the
 pytest steps, pytest's own count and seconds and the coverage. The Measurements page reads the JSON.
 """
-import argparse, datetime, json, os, platform, re, resource, shlex, shutil, subprocess, sys, tempfile, time
+import argparse, datetime, json, os, platform, re, resource, shlex, subprocess, sys, tempfile, time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def cpu_model() -> str:
-    "The CPU's model name from /proc/cpuinfo (Linux), else the machine type."
-    text = Path('/proc/cpuinfo').read_text() if Path('/proc/cpuinfo').exists() else ''
-    found = re.search(r'model name\s*:\s*(.+)', text)
-    return found.group(1).strip() if found else platform.machine()
+sys.path.insert(0, str(ROOT))
+from bench.benchmark import cpu_model  # noqa: E402
 
 
 def step(name: str, args: list, cwd: Path, env: dict, log: Path) -> dict:

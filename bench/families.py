@@ -17,7 +17,7 @@ tokens are the same. Printed and saved, never asserted. On a GPU (`--device cuda
 is taken after `torch.cuda.synchronize()`, the device's name is recorded, and a family that fails is recorded with its
 error rather than stopping the others; in half precision the tokens may legitimately part after a near tie.
 """
-import argparse, datetime, json, os, platform, re, shlex, statistics, sys, tempfile, time
+import argparse, datetime, json, os, shlex, statistics, sys, tempfile, time
 from pathlib import Path
 
 import torch
@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from selfattn_nbdev.generation import generate  # noqa: E402
 from selfattn_nbdev.pretrained import from_hf  # noqa: E402
+from bench.benchmark import cpu_model  # noqa: E402
 
 
 def families(d: int, layers: int, vocab: int, context: int) -> dict:
@@ -107,8 +108,7 @@ def main():
     d, layers, vocab, T, prompt_len, new = (128, 2, 512, 64, 8, 16) if a.small else (512, 4, 4096, 512, 32, 128)
     rounds = 2 if a.small else a.rounds
     out = Path(a.out) if a.out else (None if a.small else ROOT/'bench'/'families.json')
-    cpu = next((l.split(':', 1)[1].strip() for l in Path('/proc/cpuinfo').read_text().splitlines()
-                if l.startswith('model name')), platform.machine())
+    cpu = cpu_model()
     result = dict(machine=dict(cpu_model=cpu, cpu_count=os.cpu_count()), torch=torch.__version__,
                   device=torch.cuda.get_device_name() if a.device.startswith('cuda') else 'cpu', dtype=a.dtype,
                   transformers=transformers.__version__, threads=torch.get_num_threads(),

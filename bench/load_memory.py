@@ -19,13 +19,14 @@ which the page cache holds once for every process that maps them).
 
 The figures are the peaks over the size of the files: 1.0 is one copy of the weights.
 """
-import argparse, datetime, json, os, platform, shlex, subprocess, sys, tempfile, time
+import argparse, datetime, json, os, shlex, subprocess, sys, tempfile
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.benchmark import cpu_model  # noqa: E402
 
 CONFIG = dict(model_type='llama', architectures=['LlamaForCausalLM'], vocab_size=32000, hidden_size=1024,
               intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8,
@@ -118,8 +119,7 @@ def main():
                   f"MiB ({r['loaded_over_size']:.2f}x the files), after a forward pass "
                   f"{r['after_forward'] / 2**20:7,.0f} MiB ({r['after_forward_over_size']:.2f}x); at the end anonymous "
                   f"{r['anonymous'] / 2**20:,.0f} MiB, file-backed {r['file_backed'] / 2**20:,.0f} MiB", flush=True)
-    cpu = next((l.split(':', 1)[1].strip() for l in Path('/proc/cpuinfo').read_text().splitlines()
-                if l.startswith('model name')), platform.machine())
+    cpu = cpu_model()
     result = dict(machine=dict(cpu_model=cpu, cpu_count=os.cpu_count()), torch=torch.__version__, threads=1,
                   date=datetime.date.today().isoformat(), command=shlex.join(['python', 'bench/load_memory.py'] + sys.argv[1:]),
                   load_average_at_start=os.getloadavg()[0], config=config, checkpoint_bytes=size,

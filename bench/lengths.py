@@ -83,9 +83,9 @@ def main():
         print(f"{kind}: {n} lengths in {s:.1f} s, {sum(c['compiled'] for c in r['calls'])} graphs compiled"
               + (f"; a call at lengths 65-80 takes {r['later_over_first']:.2f}x one at the first lengths; "
                  f"memory grew {r['rss_growth_mib']:.0f} MiB" if n >= 80 else ''))
-    import os, platform, re
-    cpu = re.search(r'model name\s*:\s*(.*)', Path('/proc/cpuinfo').read_text())
-    result['machine'] = dict(cpu_model=cpu.group(1) if cpu else platform.machine(), cpu_count=os.cpu_count(),
+    import os, platform
+    from bench.benchmark import cpu_model
+    result['machine'] = dict(cpu_model=cpu_model(), cpu_count=os.cpu_count(),
                              platform=platform.platform())
     result['date'] = datetime.date.today().isoformat()
     result['command'] = shlex.join(['python', 'bench/' + Path(__file__).name, *sys.argv[1:]])

@@ -266,40 +266,6 @@ class KVCache:
         if self._values is None: return None
         return self._values[:, :, self._start:self._end]
 
-    def claim(self,
-              module:nn.Module, # the attention module about to write to the cache
-              key_padding_mask:Tensor|None=None, # what it was called with: must be None
-             ) -> None:
-        "One cache, one module (keys must not mix); padding goes in the cache (pads=)."
-        if key_padding_mask is not None:
-            raise ValueError("key_padding_mask cannot be combined with a cache, which "
-                             "holds rows of equal length; to continue prompts of "
-                             "different lengths, give generate a list of prompts")
-        token = _owner_token(module)
-        if self._owner is not None and self._owner != token:
-            raise ValueError(f"this cache holds the keys of another module; give every "
-                             f"attention module its own (model.new_caches()), or "
-                             f"cache.reset() to reuse it")
-        self._owner = token
-
-    def check_new_tokens(self,
-                         x:Tensor, # the new tokens, (b, num_tokens, d_in)
-                         key_padding_mask:Tensor|None, # must be None with a cache
-                         module:nn.Module, # the module that calls: its context_length
-                        ) -> None:
-        "Raise a clear error unless the tokens of `x` can follow the cached ones."
-        self.claim(module, key_padding_mask)
-        batch = None if self._keys is None else self._keys.shape[0]
-        if batch is not None and x.shape[0] != batch:
-            raise ValueError(f"the cache holds a batch of {batch} sequences; got x "
-                             f"with batch size {x.shape[0]} (cache.reset() clears it)")
-        total = self.num_seen + x.shape[1]
-        if total > module.context_length:
-            raise ValueError(f"the cache has seen {self.num_seen} tokens and x adds "
-                             f"{x.shape[1]}: {total} is more than context_length="
-                             f"{module.context_length}; call cache.reset() or build a "
-                             f"module with a longer context")
-
     def positions(self,
                   num_new:int, # tokens about to be added
                   device=None, # where the positions go
@@ -316,6 +282,43 @@ class KVCache:
         return *self.append(keys, values), None
 
     def __repr__(self): return f"KVCache({len(self)} tokens)"
+
+# %% ../nbs/06_generation.ipynb #40ef7a15
+@patch
+def claim(self:KVCache,
+          module:nn.Module, # the attention module about to write to the cache
+          key_padding_mask:Tensor|None=None, # what it was called with: must be None
+         ) -> None:
+    "One cache, one module (keys must not mix); padding goes in the cache (pads=)."
+    if key_padding_mask is not None:
+        raise ValueError("key_padding_mask cannot be combined with a cache, which "
+                         "holds rows of equal length; to continue prompts of "
+                         "different lengths, give generate a list of prompts")
+    token = _owner_token(module)
+    if self._owner is not None and self._owner != token:
+        raise ValueError(f"this cache holds the keys of another module; give every "
+                         f"attention module its own (model.new_caches()), or "
+                         f"cache.reset() to reuse it")
+    self._owner = token
+
+@patch
+def check_new_tokens(self:KVCache,
+                     x:Tensor, # the new tokens, (b, num_tokens, d_in)
+                     key_padding_mask:Tensor|None, # must be None with a cache
+                     module:nn.Module, # the module that calls: its context_length
+                    ) -> None:
+    "Raise a clear error unless the tokens of `x` can follow the cached ones."
+    self.claim(module, key_padding_mask)
+    batch = None if self._keys is None else self._keys.shape[0]
+    if batch is not None and x.shape[0] != batch:
+        raise ValueError(f"the cache holds a batch of {batch} sequences; got x "
+                         f"with batch size {x.shape[0]} (cache.reset() clears it)")
+    total = self.num_seen + x.shape[1]
+    if total > module.context_length:
+        raise ValueError(f"the cache has seen {self.num_seen} tokens and x adds "
+                         f"{x.shape[1]}: {total} is more than context_length="
+                         f"{module.context_length}; call cache.reset() or build a "
+                         f"module with a longer context")
 
 # %% ../nbs/06_generation.ipynb #a79b585a
 @patch

@@ -281,6 +281,7 @@ def flex_attend(
     cache_key=None, # a name for the predicate's form; None: build, keep nothing
     compiled:bool=True, # torch.compile the kernel and the builder; False: reference
     reads:tuple=(), # the batch's tensors mask_mod reads (padding, document ids)
+    score_mod:Callable|None=None, # changes each score: (s, b, h, q_idx, kv_idx) -> s
 ) -> Tensor: # context vectors (b, num_heads, T, head_dim)
     "FlexAttention with a block mask built once per predicate and length, or per batch."
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -318,7 +319,7 @@ def flex_attend(
     kernel = _flex['compiled'][0] if compiled else flex_attention
     with warnings.catch_warnings(), _room(compiled):  # uncompiled, it warns: slow
         warnings.simplefilter('ignore', UserWarning)
-        return kernel(queries, keys, values, block_mask=block,
+        return kernel(queries, keys, values, score_mod=score_mod, block_mask=block,
                       enable_gqa=heads != keys.shape[1])
 
 # %% ../nbs/10_masks.ipynb #m19c0039

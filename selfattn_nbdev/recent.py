@@ -4,16 +4,17 @@
 
 # %% auto #0
 __all__ = ['LLAMA3_KEYS', 'LAYER_TYPES', 'rope_frequencies', 'soft_cap', 'softmax_with_sink', 'check_rope_scaling',
-           'LlamaAttention', 'layer_windows', 'kv_cache_bytes']
+           'LlamaAttention', 'soft_cap_mod', 'layer_windows', 'kv_cache_bytes']
 
 # %% ../nbs/12_recent.ipynb #585e2e3e
-import math
-import numbers
+import functools, math, numbers
+from typing import Callable
 
 import torch
 from torch import Tensor, nn
 
 from .core import check_flag, check_size, patch
+from .masks import flex_attend, pick_kernel
 from .multihead import MultiHeadAttention
 from .modern import repeat_kv, rope_rotate
 
@@ -188,23 +189,48 @@ def _attend_explicit(self:LlamaAttention,
     weights = self.dropout(weights).to(values.dtype)
     return weights @ values, weights                         # (b, heads, T, head_dim)
 
+@functools.lru_cache
+def soft_cap_mod(cap:float) -> Callable: # (s, b, h, q_idx, kv_idx) -> cap tanh(s / cap)
+    "soft_cap as a score function: one function per cap, so Flex compiles it once."
+    def capped(score, b, h, q_idx, kv_idx): return soft_cap(score, cap)
+    return capped
+
+@patch
+def _attend_scored(self:LlamaAttention, queries, keys, values, key_padding_mask=None,
+                   document_ids=None) -> Tensor: # context (b, heads, T, head_dim)
+    "The cap as Flex's score_mod where Flex pays; sinks, and the rest, explicit."
+    (T, S), half = (queries.shape[2], keys.shape[2]), queries.dtype in (
+        torch.float16, torch.bfloat16)
+    choice = pick_kernel(queries.device.type, True, T, S, queries.requires_grad,
+                         self.dropout.p if self.training else 0.0, half=half)
+    mask_mod = self._mask_mod(key_padding_mask, document_ids)
+    if self.sinks is None and mask_mod is not None and choice.startswith('flex'):
+        plain = key_padding_mask is None and document_ids is None
+        form = ('window', self.window) if plain else ('batch', self.causal, self.window)
+        return flex_attend(queries, keys, values, mask_mod, form,
+                           compiled=choice == 'flex',
+                           score_mod=soft_cap_mod(self.softcap),
+                           reads=() if plain else (key_padding_mask, document_ids))
+    allowed = self._allowed(T, S, key_padding_mask, document_ids)
+    return self._attend_explicit(queries, keys, values, allowed)[0]
+
 @patch
 def _attend_fused(self:LlamaAttention, queries, keys, values, allowed=None):
-    "SDPA, or the explicit path when the scores are capped or sunk."
+    "SDPA; with a cap or sinks, _attend_scored (a cache's own mask: explicit)."
     if self.softcap is None and self.sinks is None:
         return MultiHeadAttention._attend_fused(self, queries, keys, values, allowed)
-    return self._attend_explicit(queries, keys, values, allowed)[0]
+    if allowed is not None:
+        return self._attend_explicit(queries, keys, values, allowed)[0]
+    return self._attend_scored(queries, keys, values)
 
 @patch
 def _attend_masked(self:LlamaAttention, queries, keys, values, key_padding_mask=None,
                    document_ids=None):
-    "The fastest kernel for the mask, or the explicit path for a cap or sinks."
+    "The fastest kernel for the mask; with a cap or sinks, _attend_scored."
     if self.softcap is None and self.sinks is None:
         return MultiHeadAttention._attend_masked(self, queries, keys, values,
                                                  key_padding_mask, document_ids)
-    allowed = self._allowed(queries.shape[2], queries.shape[2], key_padding_mask,
-                            document_ids)
-    return self._attend_explicit(queries, keys, values, allowed)[0]
+    return self._attend_scored(queries, keys, values, key_padding_mask, document_ids)
 
 # %% ../nbs/12_recent.ipynb #0f8ffeb7
 LAYER_TYPES = ("full_attention", "sliding_attention")

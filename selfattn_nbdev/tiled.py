@@ -328,6 +328,8 @@ def alibi(
         return score + slopes.to(score)[h] * (kv_idx - q_idx)
     return alibi_mod
 
+
+# %% ../nbs/11_tiled.ipynb #6c292e8a
 def _check_score_changes(score_mod, sinks, queries:Tensor) -> None:
     "A score function must be callable; sinks a (heads,) tensor beside 4-d queries."
     if score_mod is not None and not callable(score_mod):

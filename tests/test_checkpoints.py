@@ -10,12 +10,13 @@ import torch
 
 import transformers
 from safetensors.torch import load_file, save_file
-from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GPT2Config,
-                          GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM,
+                          Gemma3TextConfig, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                          MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 from selfattn_nbdev.generation import KVCache, generate
-from selfattn_nbdev.pretrained import GPT2, Gemma, Llama, from_hf, gemma_config, read_checkpoint, read_safetensors
+from selfattn_nbdev.pretrained import (GPT2, DeepSeekV3, Gemma, LatentAttention, Llama, deepseek_config, from_hf,
+                                       gemma_config, read_checkpoint, read_safetensors, yarn_frequencies)
 from selfattn_nbdev.recent import LlamaAttention, rope_frequencies
 
 transformers.utils.logging.set_verbosity_error()
@@ -25,6 +26,21 @@ SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_l
              eos_token_id=None, pad_token_id=None)
 LLAMA3 = dict(rope_type='llama3', rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
               original_max_position_embeddings=64)
+# DeepSeek-V3 with dense blocks only (first_k_dense_replace = num_hidden_layers): MLA, one key and value per head
+DEEPSEEK = SMALL | dict(num_key_value_heads=4, first_k_dense_replace=2, kv_lora_rank=32, q_lora_rank=48,
+                        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
+YARN = dict(rope_type='yarn', rope_theta=10000.0, factor=4.0, original_max_position_embeddings=75, mscale=1.0,
+            mscale_all_dim=0.8, beta_fast=32, beta_slow=1)   # half the RoPE pairs slowed; cos, sin and scores rescaled
+
+
+def random_biases(model):
+    "transformers starts biases at zero: random ones, so that a bias left out would show in the logits."
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith('.bias'): p.normal_(0, 0.1)
+    return model
+
+
 FAMILIES = {  # name: (transformers' model, shard size for save_pretrained)
     'gpt2': (lambda: GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=300, n_embd=64, n_layer=2, n_head=4,
                                                 initializer_range=0.1, bos_token_id=None, eos_token_id=None)), None),
@@ -50,6 +66,13 @@ FAMILIES = {  # name: (transformers' model, shard size for save_pretrained)
         query_pre_attn_scalar=16, rope_parameters={'sliding_attention': dict(rope_type='default', rope_theta=1e4),
                                                    'full_attention': dict(rope_type='linear', rope_theta=1e6,
                                                                           factor=8.0)})), '100KB'),
+    'deepseek-v3': (lambda: DeepseekV3ForCausalLM(DeepseekV3Config(**DEEPSEEK)), None),
+    'deepseek-v3-q-proj-tied-bias': (lambda: random_biases(DeepseekV3ForCausalLM(DeepseekV3Config(
+        **DEEPSEEK | dict(q_lora_rank=None, initializer_range=0.2), tie_word_embeddings=True,
+        attention_bias=True))), None),   # tied, the head favours the last token: a wider start varies the text
+    'deepseek-v3-not-interleaved': (lambda: DeepseekV3ForCausalLM(DeepseekV3Config(
+        **DEEPSEEK | dict(initializer_range=0.02), rope_interleave=False)), '100KB'),
+    'deepseek-v3-yarn': (lambda: DeepseekV3ForCausalLM(DeepseekV3Config(**DEEPSEEK, rope_parameters=YARN)), None),
 }
 
 
@@ -102,6 +125,13 @@ def test_tied_heads_stay_tied_and_options_arrive(saved):
         assert all((a.q_norm is not None) == name.startswith('qwen3') for a in attn)
         assert all((a.W_query.bias is not None) == name.startswith('qwen2') for a in attn)
         assert all((a.rope_scaling is not None) == (name in ('llama3-rope', 'llama-linear-rope')) for a in attn)
+    if isinstance(ours, DeepSeekV3):
+        attn = [b.attn for b in ours.blocks]
+        assert all(isinstance(a, LatentAttention) for a in attn)
+        assert all((a.q_rank is None) == ('q-proj' in name) for a in attn)
+        assert all((a.out_proj.bias is not None) == ('bias' in name) for a in attn)
+        assert all(a.interleave == ('not-interleaved' not in name) for a in attn)
+        assert all((a.rope_scaling is not None) == name.endswith('yarn') for a in attn)
 
 
 def test_the_options_matter():
@@ -256,7 +286,7 @@ def test_what_is_refused_is_named(tmp_path):
     with pytest.raises(TypeError, match='got int'): from_hf(3)
     with pytest.raises(ValueError, match='no config.json is beside'): from_hf({'a': torch.zeros(1)})
     config = LlamaConfig(**SMALL).to_dict()
-    for kind in ('gemma', 'deepseek_v3', 'mixtral'):
+    for kind in ('gemma', 'deepseek_v2', 'mixtral'):
         with pytest.raises(ValueError, match=f"model_type='{kind}' is not supported"):
             from_hf({}, {**config, 'model_type': kind})
     with pytest.raises(KeyError, match='no model_type'):
@@ -288,3 +318,50 @@ def test_read_checkpoint_returns_the_config(tmp_path):
     tensors, config = read_checkpoint(tmp_path)
     assert config['model_type'] == 'gpt2' and 'transformer.h.0.attn.c_attn.weight' in tensors
     assert isinstance(from_hf(tmp_path), GPT2)
+
+
+def test_deepseek_refuses_routed_experts_and_the_rest_by_name():
+    "MoE is not attention: a DeepSeek-V3 config with routed experts is refused, naming the setting and its value."
+    config = DeepseekV3Config(**DEEPSEEK).to_dict()
+    for dense in (0, 1, None):
+        with pytest.raises(ValueError, match=f"first_k_dense_replace={dense} < num_hidden_layers=2.*MoE is not"):
+            from_hf({}, {**config, 'first_k_dense_replace': dense})
+    assert deepseek_config({**config, 'first_k_dense_replace': 3})['num_layers'] == 2   # more than the blocks: dense
+    with pytest.raises(ValueError, match="rope_type='linear' is not supported"):
+        deepseek_config({**config, 'rope_parameters': dict(rope_type='linear', rope_theta=1e4, factor=2.0)})
+    with pytest.raises(ValueError, match="num_key_value_heads=2 is not supported"):
+        deepseek_config({**config, 'num_key_value_heads': 2})
+    with pytest.raises(ValueError, match="hidden_act='gelu' is not supported"):
+        deepseek_config({**config, 'hidden_act': 'gelu'})
+    with pytest.raises(ValueError, match='yarn needs a factor >= 1'):
+        deepseek_config({**config, 'rope_parameters': {**YARN, 'factor': None}})
+    with pytest.raises(KeyError, match='no kv_lora_rank'):
+        deepseek_config({**config, 'kv_lora_rank': None})
+
+
+def test_deepseek_yarn_frequencies_and_scales_equal_transformers():
+    "YaRN's frequencies, its factor on cos and sin, and the score scale, against transformers' own numbers."
+    theirs = DeepseekV3ForCausalLM(DeepseekV3Config(**DEEPSEEK | dict(qk_rope_head_dim=32), rope_parameters=YARN))
+    ours = DeepSeekV3(**deepseek_config(theirs.config.to_dict()))
+    rotary = theirs.model.rotary_emb
+    torch.testing.assert_close(yarn_frequencies(32, 1e4, YARN), rotary.inv_freq, rtol=1e-6, atol=0)
+    attn = ours.blocks[0].attn
+    assert attn.rope_scaling['attention_factor'] == pytest.approx(rotary.attention_scaling, rel=1e-12)
+    assert attn.scale == pytest.approx(theirs.model.layers[0].self_attn.scaling, rel=1e-12)
+    ramp = yarn_frequencies(32, 1e4, YARN) / yarn_frequencies(32, 1e4)
+    assert ramp[0] == 1 and ramp[-1] == 0.25 and ((0.25 < ramp) & (ramp < 1)).any()   # kept, slowed, between
+
+
+def test_deepseek_cache_keeps_the_latent_and_padded_prompts_work():
+    "The cache holds d_c + d_R numbers a token; prompts of different lengths (StaticKVCache, pads) each get their own."
+    torch.manual_seed(0)
+    theirs = DeepseekV3ForCausalLM(DeepseekV3Config(**DEEPSEEK)).eval()
+    ours = from_hf(theirs.state_dict(), theirs.config.to_dict())
+    token_ids = torch.randint(0, 256, (1, 20))
+    caches = ours.new_caches()
+    with torch.no_grad(): ours(token_ids, caches)
+    assert caches[0].keys.numel() + caches[0].values.numel() == 20 * (32 + 8)
+    prompts = [token_ids[0, :12], token_ids[0, :5]]
+    together = generate(ours, prompts, 8)
+    for prompt, row in zip(prompts, together):
+        assert torch.equal(row, theirs.generate(prompt[None], max_new_tokens=8, do_sample=False)[0])

@@ -3,7 +3,8 @@
     python bench/families.py [--small] [--rounds 5] [--out bench/families.json]
     python bench/families.py --device cuda --dtype bfloat16 --out bench/families_gpu.json   # on a GPU
 
-For each family (GPT-2, Llama with llama3 RoPE, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3) a random model of
+For each family (GPT-2, Llama with llama3 RoPE, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, DeepSeek-V3 with
+its latent attention and dense layers) a random model of
 transformers with 4 blocks of width 512 (8 query heads of 64, 2 key/value heads where the family has them, a vocabulary
 of 4,096) is saved with `save_pretrained` and loaded with `from_hf`. Then, batch 1, in float32, without gradients:
 
@@ -25,6 +26,8 @@ import transformers
 from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GPT2Config,
                           GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
                           Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+try: from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+except ImportError: DeepseekV3Config = DeepseekV3ForCausalLM = None  # recorded as a failed family
 from transformers.utils import logging as hf_logging
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,6 +59,10 @@ def families(d: int, layers: int, vocab: int, context: int) -> dict:
         'Gemma 3 (5 local : 1 global)': lambda: Gemma3ForCausalLM(Gemma3TextConfig(
             **common | dict(num_hidden_layers=max(layers, 6)), head_dim=hd, sliding_window=256,
             query_pre_attn_scalar=hd, rope_parameters=gemma3_rope)),
+        # DeepSeek-V3's proportions (kv_lora_rank = 4 head widths, q_lora_rank = 3/2 of it, RoPE part of 32), dense
+        'DeepSeek-V3 (MLA)': lambda: DeepseekV3ForCausalLM(DeepseekV3Config(
+            **common | dict(num_key_value_heads=heads), kv_lora_rank=4 * hd, q_lora_rank=6 * hd,
+            qk_rope_head_dim=hd // 2, qk_nope_head_dim=hd, v_head_dim=hd, first_k_dense_replace=layers)),
     }
 
 

@@ -351,7 +351,7 @@ def update(self:StaticKVCache,
            keys:Tensor,   # the new tokens' keys, (b, kv_heads, num_tokens, head_dim)
            values:Tensor, # their values, the same shape
            module:nn.Module, # the attention module that calls: its window
-          ) -> tuple: # keys, values in reach (b, kv, slots | T, hd); allowed mask
+          ) -> tuple: # keys, values in reach (b, kv, written | T, hd); allowed
     "Write the new tokens in place (a ring with a window); return what they may see."
     num_new = keys.shape[2]
     if self._keys is None: self._allocate(keys, module.window)
@@ -367,7 +367,10 @@ def update(self:StaticKVCache,
         key_columns = columns
     else:
         self._write(columns % self.slots, columns, keys, values)
-        keys, values, key_columns = self._keys, self._values, self._cols
+        end = self.slots if self.ring else (  # without a ring, the columns written
+            (self.bound or self.slots) if torch.compiler.is_compiling() else len(self))
+        keys, values = self._keys[:, :, :end], self._values[:, :, :end]
+        key_columns = self._cols[:end]                                # (end,)
     self.step.add_(num_new)  # in place, like the storage
     return keys, values, self._allowed(columns, key_columns)
 

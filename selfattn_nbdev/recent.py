@@ -136,33 +136,37 @@ class LlamaAttention(MultiHeadAttention):
         self.k_norm = nn.RMSNorm(head_dim, eps=norm_eps) if qk_norm else None
         self.sinks = nn.Parameter(torch.zeros(num_heads)) if sinks else None
 
-    def _rope_table(self, num_positions:int, like:Tensor) -> tuple:
-        "cos and sin of the angles of positions 0 .. context_length; built once, kept."
-        dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
-        table = self._rope_cache
-        if (table is None or table[0].shape[0] < num_positions
-                or table[0].device != like.device or table[0].dtype != dtype):
-            theta = rope_frequencies(self.head_dim, self.rope_base, self.rope_scaling,
-                                     dtype, like.device)           # (head_dim / 2,)
-            n = max(num_positions, self.context_length)
-            angles = torch.arange(n, device=like.device, dtype=dtype)[:, None] * theta
-            angles = torch.cat([angles, angles], dim=-1)           # (n, head_dim)
-            table = self._rope_cache = (angles.cos(), angles.sin())
-        return table
 
-    def _project(self, x:Tensor, positions:Tensor|None=None) -> tuple:
-        "Queries, keys, values in heads; queries and keys normed, then turned."
-        queries = self._split_heads(self.W_query(x))       # (b, heads, T, head_dim)
-        keys = self._split_heads(self.W_key(x))            # (b, kv_heads, T, hd)
-        values = self._split_heads(self.W_value(x))        # (b, kv_heads, T, hd)
-        if self.q_norm is not None:                        # QK-norm: each head
-            queries, keys = self.q_norm(queries), self.k_norm(keys)
-        if self.query_scale is not None:  # every kernel divides by sqrt(hd): undo it
-            queries = queries * (self.query_scale * math.sqrt(self.head_dim))
-        cos, sin = self._rope_table(self.context_length, queries)  # (positions, hd)
-        if positions is None: cos, sin = cos[:x.shape[1]], sin[:x.shape[1]]
-        else: cos, sin = cos[positions][:, None], sin[positions][:, None]
-        return rope_rotate(queries, cos, sin), rope_rotate(keys, cos, sin), values
+# %% ../nbs/12_recent.ipynb #1bd3c8c6
+@patch
+def _rope_table(self:LlamaAttention, num_positions:int, like:Tensor) -> tuple:
+    "cos and sin of the angles of positions 0 .. context_length; built once, kept."
+    dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
+    table = self._rope_cache
+    if (table is None or table[0].shape[0] < num_positions
+            or table[0].device != like.device or table[0].dtype != dtype):
+        theta = rope_frequencies(self.head_dim, self.rope_base, self.rope_scaling,
+                                 dtype, like.device)           # (head_dim / 2,)
+        n = max(num_positions, self.context_length)
+        angles = torch.arange(n, device=like.device, dtype=dtype)[:, None] * theta
+        angles = torch.cat([angles, angles], dim=-1)           # (n, head_dim)
+        table = self._rope_cache = (angles.cos(), angles.sin())
+    return table
+
+@patch
+def _project(self:LlamaAttention, x:Tensor, positions:Tensor|None=None) -> tuple:
+    "Queries, keys, values in heads; queries and keys normed, then turned."
+    queries = self._split_heads(self.W_query(x))       # (b, heads, T, head_dim)
+    keys = self._split_heads(self.W_key(x))            # (b, kv_heads, T, hd)
+    values = self._split_heads(self.W_value(x))        # (b, kv_heads, T, hd)
+    if self.q_norm is not None:                        # QK-norm: each head
+        queries, keys = self.q_norm(queries), self.k_norm(keys)
+    if self.query_scale is not None:  # every kernel divides by sqrt(hd): undo it
+        queries = queries * (self.query_scale * math.sqrt(self.head_dim))
+    cos, sin = self._rope_table(self.context_length, queries)  # (positions, hd)
+    if positions is None: cos, sin = cos[:x.shape[1]], sin[:x.shape[1]]
+    else: cos, sin = cos[positions][:, None], sin[positions][:, None]
+    return rope_rotate(queries, cos, sin), rope_rotate(keys, cos, sin), values
 
 # %% ../nbs/12_recent.ipynb #85167eb4
 @patch

@@ -4,18 +4,19 @@
 
 # %% auto #0
 __all__ = ['sequence_chunks', 'shard_sequence', 'unshard_sequence', 'ring_attention', 'check_ring_attention', 'context_parallel',
-           'check_context_parallel']
+           'check_context_parallel', 'split_kv_attention']
 
 # %% ../nbs/16_ring.ipynb #9604e5be
 import math
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .causal import check_context
-from .core import check_tokens
+from .core import check_size, check_tokens
 from .distributed import _max_diff
 from .modern import repeat_kv
 from .multihead import MultiHeadAttention
@@ -352,3 +353,40 @@ def check_context_parallel(
             'grad_weights': max(_max_diff(p.grad, whole_grads[n])
                                 for n, p in module.named_parameters())})
     return results
+
+# %% ../nbs/16_ring.ipynb #d7993eba
+def split_kv_attention(
+    queries:Tensor, # (b, heads, T, head_dim): T is 1 when decoding
+    keys:Tensor,    # (b, kv_heads, S, head_dim)
+    values:Tensor,  # (b, kv_heads, S, d_v)
+    num_splits:int=8, # n: chunks of the keys, computed at once
+    allowed:Tensor|None=None, # bool, broadcastable to (b, heads, T, S): True = attend
+) -> Tensor: # context vectors (b, heads, T, d_v)
+    "softmax(QKᵀ/√d) V from n partial softmaxes over chunks of the keys, merged."
+    shapes = [tuple(getattr(t, 'shape', ())) for t in (queries, keys, values)]
+    if not (all(len(s) == 4 for s in shapes) and shapes[0][0] == shapes[1][0]
+            and shapes[1][:3] == shapes[2][:3] and shapes[0][3] == shapes[1][3]
+            and shapes[0][1] % shapes[1][1] == 0):
+        raise ValueError(f"queries (b, heads, T, d), keys (b, kv_heads, S, d) and "
+                         f"values (b, kv_heads, S, d_v), heads a multiple of kv_heads; "
+                         f"got "
+                         f"queries {shapes[0]}, keys {shapes[1]}, values {shapes[2]}")
+    check_size(num_splits, 'num_splits')
+    (b, h, T, d), (kv, S) = queries.shape, keys.shape[1:3]
+    g, chunk = h // kv, -(-S // num_splits)            # query heads per kv head
+    n, pad = -(-S // chunk), -(-S // chunk) * chunk - S
+    k, v = (F.pad(t, (0, 0, 0, pad)).view(b, kv, n, chunk, -1) for t in (keys, values))
+    q = queries.reshape(b, kv, 1, g * T, d) / math.sqrt(d)     # the group's queries
+    work = torch.promote_types(queries.dtype, torch.float32)  # half: the sums in fp32
+    s = (q @ k.transpose(-2, -1)).to(work)                    # (b, kv, n, g·T, chunk)
+    if allowed is not None or pad:  # a mask only where some key is hidden
+        seen = torch.ones(b, h, T, S, dtype=torch.bool, device=keys.device)
+        if allowed is not None: seen = seen & allowed
+        seen = F.pad(seen, (0, pad)).view(b, kv, g * T, n, chunk).transpose(2, 3)
+        s = s.masked_fill(~seen, -math.inf)
+    m = s.amax(-1, keepdim=True)                              # (b, kv, n, g·T, 1)
+    p = torch.exp(s - m.nan_to_num(neginf=0.0))               # a blind chunk: all 0
+    l, a = p.sum(-1, keepdim=True), (p.to(v.dtype) @ v).to(work)  # partial sum, output
+    w = torch.exp(m - m.amax(2, keepdim=True)).nan_to_num(0.0)  # e^(m_c - M)
+    z = (w * a).sum(2) / (w * l).sum(2).clamp_min(torch.finfo(a.dtype).tiny)
+    return z.to(values.dtype).view(b, h, T, -1)                # a blind row: 0

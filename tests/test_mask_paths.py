@@ -373,7 +373,7 @@ def test_flex_attend_makes_room_for_compilations_around_its_own_calls(monkeypatc
     import torch._dynamo.config as dynamo_config
     from selfattn_nbdev import masks
     seen = []
-    def kernel(q, k, v, block_mask, enable_gqa):
+    def kernel(q, k, v, block_mask, enable_gqa, score_mod=None):
         seen.append(('kernel', dynamo_config.recompile_limit)); return q
     def builder(*args, **kwargs):
         seen.append(('builder', dynamo_config.recompile_limit)); return 'a block mask'

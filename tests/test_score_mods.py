@@ -160,3 +160,13 @@ def test_soft_cap_mod_is_one_function_per_cap():
     assert soft_cap_mod(50.0) is soft_cap_mod(50.0) and soft_cap_mod(50.0) is not soft_cap_mod(30.0)
     s = torch.tensor([-1e4, -1.0, 0.0, 1.0, 1e4], dtype=torch.float64)
     assert torch.allclose(soft_cap_mod(50.0)(s, 0, 0, 0, 0), 50.0 * torch.tanh(s / 50.0))
+
+
+@pytest.mark.parametrize('mod', ['alibi', 'cap', 'alibi then cap'])
+def test_flex_attend_takes_the_same_score_functions(mod):
+    "The fused path's kernel, FlexAttention (uncompiled here), with a score function: the formulas' numbers."
+    from selfattn_nbdev.masks import flex_attend
+    q, k, v, _ = (t.detach() for t in inputs(T=24))
+    with torch.no_grad():
+        ours = flex_attend(q, k, v, causal, compiled=False, score_mod=MODS[mod])
+    assert (ours - dense(q, k, v, MODS[mod], None, dense_mask(causal, 24, 24))).abs().max() < 1e-12

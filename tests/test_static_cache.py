@@ -191,11 +191,11 @@ def test_the_cuda_decode_step_is_a_cuda_graph(monkeypatch):
         def __call__(self, token_ids, caches): return 'logits'
 
     step = gen._decode_step(OnCuda(), True)
-    assert seen == {'fullgraph': True, 'mode': 'reduce-overhead'}
+    assert seen == {'fullgraph': True, 'dynamic': False, 'mode': 'reduce-overhead'}
     assert step(None, None) == 'logits' and step(None, None) == 'logits' and len(marks) == 2
     seen.clear()
     gen._decode_step(_model({}), True)                     # on CPU: no CUDA graphs
-    assert seen == {'fullgraph': True}
+    assert seen == {'fullgraph': True, 'dynamic': False}
     seen.clear()
     assert gen._decode_step(OnCuda(), dict(backend='eager'))(None, None) == 'logits'
     assert seen == {'backend': 'eager'} and len(marks) == 2   # given options are used as they are

@@ -1,0 +1,312 @@
+"""Decoding at the memory limit, on a CUDA GPU: tokens/s against the bandwidth limit, a step against the cache's
+capacity, and FlashDecoding's bandwidth on a long cache.
+
+    python bench/gpu_decode.py --out bench/gpu_decode.json     # on a CUDA GPU, bfloat16
+    python bench/gpu_decode.py --small                         # anywhere (CPU too): tiny shapes, checks the script
+
+Parts (each written to the JSON as soon as it is measured, so a run cut short keeps what it has):
+
+- `decode`: for three shapes with random weights (GPT-2 small; a Llama-1B shape: 16 blocks, d 2,048, 32 heads, 8
+  key/value heads, FFN 8,192, vocabulary 32,000; a Llama-2-7B shape: 32 blocks, d 4,096, 32 heads, FFN 11,008,
+  vocabulary 32,000), transformers' model is made and the package's model loaded from its state dict with
+  `from_hf` (the same weights). Batch 1, a 32-token prompt, 256 new tokens, greedy. The package runs
+  `generate(compile=True)` (the decode step compiled once per bound, CUDA graphs); transformers runs
+  `generate(cache_implementation='static', disable_compile=True)`. A step's time is the decode loop's time over its
+  steps (synchronised at both ends), the better of two runs after a first that compiles; tokens/s is its inverse. The bandwidth limit is bandwidth / bytes read per step,
+  where a step reads every weight once (the input embedding table only one row, so it is not counted unless tied)
+  and its keys and values; the fraction of it reached is the figure of merit. Tokens are compared with the
+  package's eager `generate` (bfloat16 rounding may legitimately part them after a near tie: the first differing
+  step is recorded).
+- `profile`: the Llama-1B shape's compiled step under torch.profiler: the CUDA time by kernel, top 12.
+- `capacity`: the Llama-1B shape, 1,024 tokens in the cache, a compiled step at capacity 1,088 and at 32,768.
+- `flash_decoding`: one layer of the Llama-1B shape's attention at batch 1 over a 32,768-token cache:
+  `split_kv_attention` (eager and compiled, several splits) against SDPA; the KV bytes read per second.
+"""
+import argparse, datetime, json, shlex, statistics, sys, time, traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from selfattn_nbdev.decoding import _decode_step, generate  # noqa: E402
+from selfattn_nbdev.pretrained import from_hf  # noqa: E402
+from selfattn_nbdev.ring import split_kv_attention  # noqa: E402
+
+BANDWIDTH = {'H200': 4.8e12, 'H100 SXM': 3.35e12, 'H100 80GB HBM3': 3.35e12, 'H100': 3.35e12}
+SHAPES = {  # name: (transformers family, config)
+    'GPT-2 small': ('gpt2', dict(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12)),
+    'Llama-1B shape': ('llama', dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192,
+                                     num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                                     max_position_embeddings=32768)),
+    'Llama-2-7B shape': ('llama', dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                                       max_position_embeddings=4096)),
+}
+SMALL = {
+    'GPT-2 tiny': ('gpt2', dict(vocab_size=256, n_positions=128, n_embd=64, n_layer=2, n_head=4)),
+    'Llama tiny': ('llama', dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)),
+}
+
+
+def bandwidth(device_name: str):
+    return next((bw for key, bw in BANDWIDTH.items() if key in device_name), None)
+
+
+def hf_model(family: str, config: dict, device, dtype):
+    import transformers
+    common = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    if family == 'gpt2': cfg, cls = transformers.GPT2Config(**config, **common), transformers.GPT2LMHeadModel
+    else: cfg, cls = transformers.LlamaConfig(**config, **common), transformers.LlamaForCausalLM
+    torch.manual_seed(0)
+    with torch.device(device):
+        old = torch.get_default_dtype(); torch.set_default_dtype(dtype)
+        try: model = cls(cfg)
+        finally: torch.set_default_dtype(old)
+    return model.eval(), cfg.to_dict()
+
+
+def weight_bytes(model) -> int:
+    "Bytes a step reads of the weights: all of them, but of an untied input embedding table one row."
+    seen, total = set(), 0
+    head = getattr(model, 'head', None)
+    for name, p in model.named_parameters():
+        if p.data_ptr() in seen: continue
+        seen.add(p.data_ptr())
+        untied_table = (name.endswith('tok_emb.weight') or name.endswith('pos_emb.weight')) and (
+            head is None or head.weight.data_ptr() != p.data_ptr())
+        if not untied_table: total += p.numel() * p.element_size()
+    return total
+
+
+def kv_bytes_per_step(model, tokens: int, dtype) -> int:
+    "Keys and values read by a step at `tokens` cached, every block."
+    total = 0
+    for block in model.blocks:
+        attn = block.attn
+        kv_heads = getattr(attn, 'num_kv_heads', attn.num_heads)
+        total += 2 * kv_heads * attn.head_dim * tokens
+    return total * torch.finfo(dtype).bits // 8
+
+
+def sync(device):
+    if device.type == 'cuda': torch.cuda.synchronize(device)
+
+
+def profile_steps(step_fn, model, prompt, new, device, steps=20) -> list:
+    "CUDA (or CPU) time by kernel over `steps` compiled decode steps, top 12, per step."
+    caches = model.new_caches(prompt.shape[1] + new)
+    with torch.no_grad():
+        ids = model(prompt, caches)[:, -1].argmax(-1)[:, None]
+        for _ in range(3): ids = step_fn(ids, caches)[:, -1].argmax(-1)[:, None]
+        sync(device)
+        acts = [torch.profiler.ProfilerActivity.CPU] + (
+            [torch.profiler.ProfilerActivity.CUDA] if device.type == 'cuda' else [])
+        with torch.profiler.profile(activities=acts) as prof:
+            for _ in range(steps): ids = step_fn(ids, caches)[:, -1].argmax(-1)[:, None]
+            sync(device)
+    key = 'device_time_total' if device.type == 'cuda' else 'cpu_time_total'
+    events = [e for e in prof.key_averages() if getattr(e, key, 0) > 0]
+    rows = sorted(events, key=lambda e: getattr(e, key, 0), reverse=True)[:12]
+    print(prof.key_averages().table(sort_by=key, row_limit=12), flush=True)
+    return [dict(name=e.key[:90], calls_per_step=e.count / steps, us_per_step=getattr(e, key, 0) / steps)
+            for e in rows]
+
+
+def decode_part(shapes, device, dtype, prompt_len, new, compile_arg, result, save, profile_shapes=()):
+    bw = bandwidth(result['device'])
+    for name, (family, config) in shapes.items():
+        r = result['decode'][name] = {}
+        try:
+            theirs, cfg = hf_model(family, config, device, dtype)
+            ours = from_hf(theirs.state_dict(), cfg, dtype=dtype, device=device)
+            gen = torch.Generator().manual_seed(1)
+            prompt = torch.randint(0, cfg['vocab_size'], (1, prompt_len), generator=gen).to(device)
+            n_check = min(32, new)
+            eager = generate(ours, prompt, n_check)
+            step_fn = _decode_step(ours, compile_arg)       # one compiled step for every run
+            def run():  # prefill, then new - 1 steps; timed as a whole, synchronised at the ends
+                caches = ours.new_caches(prompt_len + new)
+                with torch.no_grad():
+                    ids = ours(prompt, caches)[:, -1].argmax(-1)[:, None]
+                    sync(device); start = time.perf_counter(); written = [ids]
+                    for _ in range(new - 1):
+                        ids = step_fn(ids, caches)[:, -1].argmax(-1)[:, None]; written.append(ids)
+                    sync(device)
+                return torch.cat([prompt] + written, 1), (time.perf_counter() - start) / (new - 1)
+            t0 = time.perf_counter(); run(); r['first_call_s'] = time.perf_counter() - t0
+            out, step = min((run() for _ in range(2)), key=lambda o: o[1])
+            with torch.no_grad():  # teacher-forced eager logits: where a token differs, how near a tie
+                full = ours(out[:, :-1])[:, prompt_len - 1:].float()          # (1, new, vocab)
+            chosen = full.gather(-1, out[:, prompt_len:, None])[..., 0]
+            gap = (full.amax(-1) - chosen) / full.abs().amax(-1)               # 0 where argmax
+            r['steps_not_eager_argmax'] = int((gap > 0).sum())
+            r['largest_relative_gap_where_not'] = gap.max().item()
+            if name in profile_shapes:
+                r['profile'] = profile_steps(step_fn, ours, prompt, new, device)
+            same = out[:, :prompt_len + n_check].eq(eager).all().item()
+            diff = (out[0, prompt_len:prompt_len + n_check] != eager[0, prompt_len:]).nonzero()
+            hf_times = []
+            def hf_run():
+                return theirs.generate(prompt, max_new_tokens=new, do_sample=False, min_new_tokens=new,
+                                       cache_implementation='static', disable_compile=True)
+            hf_run(); sync(device)
+            for _ in range(2):
+                sync(device); t = time.perf_counter(); hf_out = hf_run(); sync(device)
+                hf_times.append(time.perf_counter() - t)
+            w, kv = weight_bytes(ours), kv_bytes_per_step(ours, prompt_len + new // 2, dtype)
+            r.update(parameters=sum(p.numel() for p in ours.parameters()), weight_bytes=w, kv_bytes_mean=kv,
+                     step_ms=step * 1e3, tokens_per_s=1 / step,
+                     transformers_static_tokens_per_s=new / min(hf_times),
+                     same_first_tokens_as_eager=same, tokens_compared=n_check, first_differing_step=(diff[0, 0].item() if len(diff) else None),
+                     same_tokens_as_transformers=bool(hf_out[0, :prompt_len + new].eq(out[0]).all().item()))
+            if bw:
+                r['limit_tokens_per_s'] = bw / (w + kv)
+                r['fraction_of_bandwidth'] = (w + kv) / step / bw
+            print(f"{name}: {r['tokens_per_s']:.0f} tokens/s ({r.get('fraction_of_bandwidth', float('nan')):.0%} of "
+                  f"the limit), transformers {r['transformers_static_tokens_per_s']:.0f}; first call "
+                  f"{r['first_call_s']:.0f} s; same tokens as eager {same}", flush=True)
+            del ours, theirs
+        except Exception as e:
+            r['error'] = f'{type(e).__name__}: {e}'[:800]; traceback.print_exc()
+        if device.type == 'cuda': torch.cuda.empty_cache()
+        save()
+
+
+def llama_1b(shapes, device, dtype):
+    family, config = shapes['Llama-1B shape'] if 'Llama-1B shape' in shapes else shapes['Llama tiny']
+    theirs, cfg = hf_model(family, config, device, dtype)
+    return from_hf(theirs.state_dict(), cfg, dtype=dtype, device=device), cfg
+
+
+def profile_part(shapes, device, dtype, compile_arg, result, save):
+    model, cfg = llama_1b(shapes, device, dtype)
+    prompt = torch.randint(0, cfg['vocab_size'], (1, 32), device=device)
+    caches = model.new_caches(256)
+    step = _decode_step(model, compile_arg)
+    with torch.no_grad():
+        logits = model(prompt, caches)[:, -1]
+        ids = logits.argmax(-1)[:, None]
+        for _ in range(5): ids = step(ids, caches)[:, -1].argmax(-1)[:, None]   # warm
+        sync(device)
+        acts = [torch.profiler.ProfilerActivity.CPU] + (
+            [torch.profiler.ProfilerActivity.CUDA] if device.type == 'cuda' else [])
+        with torch.profiler.profile(activities=acts) as prof:
+            for _ in range(20): ids = step(ids, caches)[:, -1].argmax(-1)[:, None]
+            sync(device)
+    key = 'device_time_total' if device.type == 'cuda' else 'cpu_time_total'
+    rows = sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0), reverse=True)[:12]
+    result['profile'] = dict(steps=20, rows=[dict(name=e.key[:90], calls=e.count,
+                                                 us_per_step=getattr(e, key, 0) / 20) for e in rows])
+    print(prof.key_averages().table(sort_by=key, row_limit=12), flush=True)
+    save()
+
+
+def capacity_part(shapes, device, dtype, compile_arg, used, capacities, result, save):
+    family, config = shapes['Llama-1B shape'] if 'Llama-1B shape' in shapes else shapes['Llama tiny']
+    config = config | dict(num_hidden_layers=4)       # the 1B's width, 4 blocks: quicker to compile
+    theirs, cfg = hf_model(family, config, device, dtype)
+    model = from_hf(theirs.state_dict(), cfg, dtype=dtype, device=device)
+    prompt = torch.randint(0, cfg['vocab_size'], (1, used), device=device)
+    out, step = {}, _decode_step(model, compile_arg)
+    for capacity in capacities:
+        caches = model.new_caches(capacity)
+        with torch.no_grad():
+            ids = model(prompt, caches)[:, -1].argmax(-1)[:, None]
+            times = []
+            for i in range(24):
+                sync(device); t = time.perf_counter()
+                ids = step(ids, caches)[:, -1].argmax(-1)[:, None]
+                sync(device); times.append(time.perf_counter() - t)
+        out[str(capacity)] = statistics.median(times[8:]) * 1e3
+        print(f'capacity {capacity}: {out[str(capacity)]:.3f} ms a step with {used} tokens', flush=True)
+    lo, hi = min(capacities), max(capacities)
+    result['capacity'] = dict(model='the Llama-1B shape with 4 blocks', tokens_in_cache=used, step_ms=out,
+                              ratio=out[str(hi)] / out[str(lo)])
+    save()
+
+
+def flash_decoding_part(device, dtype, S, result, save, kv_heads=8, heads=32, hd=64):
+    torch.manual_seed(0)
+    q = torch.randn(1, heads, 1, hd, device=device, dtype=dtype)
+    k, v = torch.randn(2, 1, kv_heads, S, hd, device=device, dtype=dtype).unbind(0)
+    kv_bytes = 2 * kv_heads * S * hd * k.element_size()
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=True)
+    def timed(fn, reps=50):
+        fn(); sync(device)
+        ts = []
+        for _ in range(reps):
+            sync(device); t = time.perf_counter(); fn(); sync(device); ts.append(time.perf_counter() - t)
+        return statistics.median(ts)
+    rows = {}
+    contenders = {'sdpa (enable_gqa)': lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)}
+    for n in (16, 64, 128):
+        contenders[f'split_kv_attention, {n} splits'] = (lambda n=n: split_kv_attention(q, k, v, n))
+    compiled = torch.compile(split_kv_attention, fullgraph=True)
+    for n in (64, 128):
+        contenders[f'split_kv_attention compiled, {n} splits'] = (lambda n=n: compiled(q, k, v, n))
+    bw = bandwidth(result['device'])
+    for name, fn in contenders.items():
+        try:
+            err = (fn().float() - ref).abs().max().item()
+            t = timed(fn)
+            rows[name] = dict(us=t * 1e6, kv_bytes_per_s=kv_bytes / t, max_abs_diff_vs_fp32=err,
+                              fraction_of_bandwidth=(kv_bytes / t / bw) if bw else None)
+            print(f'{name}: {t * 1e6:.1f} us, {kv_bytes / t / 1e9:.0f} GB/s', flush=True)
+        except Exception as e:
+            rows[name] = dict(error=f'{type(e).__name__}: {e}'[:500]); traceback.print_exc()
+    result['flash_decoding'] = dict(cache_tokens=S, kv_heads=kv_heads, heads=heads, head_dim=hd,
+                                    kv_bytes=kv_bytes, rows=rows)
+    save()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    ap.add_argument('--small', action='store_true')
+    ap.add_argument('--out', default=None)
+    ap.add_argument('--part', default='decode,flash,capacity')
+    ap.add_argument('--shapes', default='', help='comma-separated names (default: all)')
+    ap.add_argument('--tuned', action='store_true', help="inductor's coordinate-descent tuning (gpt-fast's)")
+    a = ap.parse_args()
+    cuda = torch.cuda.is_available() and not a.small
+    device = torch.device('cuda' if cuda else 'cpu')
+    dtype = torch.bfloat16 if cuda else torch.float32
+    shapes = SHAPES if not a.small else SMALL
+    if a.tuned:  # gpt-fast's setting: inductor tunes each kernel's launch; longer first call
+        torch._inductor.config.coordinate_descent_tuning = True
+    compile_arg = True if cuda else dict(backend='eager', fullgraph=True)
+    out = Path(a.out) if a.out else None
+    result = dict(device=torch.cuda.get_device_name() if cuda else 'cpu', dtype=str(dtype).replace('torch.', ''),
+                  torch=torch.__version__, date=datetime.date.today().isoformat(),
+                  command=shlex.join(['python', 'bench/gpu_decode.py'] + sys.argv[1:]),
+                  bandwidth_bytes_per_s=bandwidth(torch.cuda.get_device_name()) if cuda else None,
+                  config=dict(batch=1, prompt_tokens=32, new_tokens=256 if not a.small else 16,
+                              coordinate_descent_tuning=a.tuned), decode={})
+    try:
+        import transformers; result['transformers'] = transformers.__version__
+    except ImportError: pass
+    save = lambda: out and out.write_text(json.dumps(result, indent=1) + '\n')
+    parts = a.part.split(',')
+    only = [n for n in shapes if not a.shapes or n in a.shapes.split(',')]
+    runs = {'decode': lambda: decode_part({n: shapes[n] for n in only}, device, dtype, 32,
+                                          result['config']['new_tokens'], compile_arg, result, save,
+                                          profile_shapes=('GPT-2 small', 'Llama-1B shape', 'Llama tiny')),
+            'flash': lambda: flash_decoding_part(device, dtype, 32768 if cuda else 1024, result, save),
+            'capacity': lambda: capacity_part(shapes, device, dtype, compile_arg, 1024 if cuda else 100,
+                                              (1088, 32768) if cuda else (128, 2048), result, save),
+            'profile': lambda: profile_part(shapes, device, dtype, compile_arg, result, save)}
+    for part in parts:
+        run = runs[part]
+        t = time.perf_counter()
+        try: run()
+        except Exception as e:
+            result[part + '_error'] = f'{type(e).__name__}: {e}'[:800]; traceback.print_exc(); save()
+        print(f'-- {part}: {time.perf_counter() - t:.0f} s', flush=True)
+    save()
+    if out: print(f'wrote {out}')
+
+
+if __name__ == '__main__':
+    main()

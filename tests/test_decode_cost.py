@@ -1,0 +1,95 @@
+"""Decoding whose cost follows the text, not the cache's capacity: `StaticKVCache` hands attention only the columns
+written (eagerly) or a bound the host sets (`decode_bound`, for a compiled step); and FlashDecoding
+(`split_kv_attention`), the keys split into chunks merged by the online-softmax rule, against SDPA in float64.
+The GPU's figures are bench/gpu_decode.py's; these are the logic's checks, on the CPU."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from selfattn_nbdev.decoding import DECODE_MIN_BOUND, StaticKVCache, _decode_step, decode_bound, generate
+from selfattn_nbdev.generation import TinyGPT
+from selfattn_nbdev.multihead import MultiHeadAttention
+from selfattn_nbdev.ring import split_kv_attention
+
+
+def test_decode_bound_doubles_from_256_and_stops_at_the_capacity():
+    assert DECODE_MIN_BOUND == 256
+    assert [decode_bound(n, 32768) for n in (1, 256, 257, 1025, 20000, 32768)] == [256, 256, 512, 2048, 32768, 32768]
+    assert decode_bound(100, 128) == 128 and decode_bound(1025, 1088) == 1088
+    bounds = {decode_bound(n, 32768) for n in range(1, 32769)}
+    assert len(bounds) == 8                              # so at most 8 compiled graphs for any text
+
+
+@pytest.mark.parametrize('window', [None, 3])
+def test_static_cache_gives_attention_only_the_written_columns(window):
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(8, 8, 4096, num_heads=2, window=window).double().eval()
+    x = torch.randn(2, 12, 8, dtype=torch.float64)
+    seen = []
+    real = attn._attend_fused
+    attn._attend_fused = lambda q, k, v, allowed=None: seen.append(k.shape[2]) or real(q, k, v, allowed)
+    cache = StaticKVCache(capacity=4096)
+    with torch.no_grad():
+        steps = torch.cat([attn(x[:, :5], cache=cache)] + [attn(x[:, i:i + 1], cache=cache) for i in range(5, 12)], 1)
+        whole = attn(x)
+    assert (steps - whole).abs().max() < 1e-12
+    assert cache._keys.shape[2] == (4096 if window is None else 3)     # the storage: the capacity (or the ring)
+    if window is None: assert seen[1:8] == list(range(6, 13))      # each step: the columns written, not 4,096
+
+
+def test_a_step_costs_the_same_work_at_any_capacity():
+    "The same logits from a cache of 128 columns and one of 8,192: and attention reads the same columns."
+    torch.manual_seed(0)
+    gpt = TinyGPT(50, context_length=8192, d_model=32, num_layers=2, num_heads=2).double().eval()
+    prompt = torch.randint(0, 50, (1, 40))
+    logits = []
+    for capacity in (128, 8192):
+        caches = gpt.new_caches(capacity)
+        with torch.no_grad():
+            gpt(prompt, caches)
+            logits.append(gpt(torch.tensor([[7]]), caches))
+        assert len(caches[0]) == 41 and caches[0]._keys.shape[2] == capacity
+    assert (logits[0] - logits[1]).abs().max() < 1e-12
+
+
+def test_compiled_step_counts_on_the_host_and_reads_its_bound():
+    "A compiled step (backend 'eager' here: the logic, not the speed) sets every cache's bound and count."
+    torch.manual_seed(0)
+    gpt = TinyGPT(50, context_length=1024, d_model=32, num_layers=2, num_heads=2).eval()
+    prompt = torch.randint(0, 50, (1, 250))
+    eager = generate(gpt, prompt, 12)
+    compiled = generate(gpt, prompt, 12, compile=dict(backend='eager', fullgraph=True))
+    assert torch.equal(compiled, eager)                 # crosses the bound 256 -> 512 on the way
+    caches = gpt.new_caches(1024)
+    step = _decode_step(gpt, dict(backend='eager', fullgraph=True))
+    with torch.no_grad():
+        gpt(prompt, caches)
+        step(torch.tensor([[3]]), caches)
+    assert all(c.num_seen == 251 and c.bound == 256 for c in caches)
+
+
+@pytest.mark.parametrize('num_splits', [1, 2, 7, 64, 5000])
+@pytest.mark.parametrize('T', [1, 3])
+def test_split_kv_attention_is_sdpa(num_splits, T):
+    torch.manual_seed(num_splits)
+    q = torch.randn(2, 8, T, 16, dtype=torch.float64)
+    k, v = torch.randn(2, 2, 2, 777, 16, dtype=torch.float64).unbind(0)
+    ref = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    assert (split_kv_attention(q, k, v, num_splits) - ref).abs().max() < 1e-12
+    allowed = torch.rand(2, 1, T, 777) > 0.3
+    ref = F.scaled_dot_product_attention(q, k, v, allowed, enable_gqa=True)
+    assert (split_kv_attention(q, k, v, num_splits, allowed) - ref).abs().max() < 1e-12
+
+
+def test_split_kv_attention_in_bfloat16_sums_in_float32():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 4, 1, 64), torch.randn(1, 4, 4096, 64), torch.randn(1, 4, 4096, 64)
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double())
+    out = split_kv_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), 16)
+    assert out.dtype == torch.bfloat16 and (out.double() - ref).abs().max() < 2e-2
+
+
+def test_split_kv_attention_refuses_bad_shapes_by_name():
+    q, k = torch.randn(1, 6, 1, 8), torch.randn(1, 4, 10, 8)
+    with pytest.raises(ValueError, match='heads a multiple of kv_heads'): split_kv_attention(q, k, k)
+    with pytest.raises(ValueError, match='num_splits'): split_kv_attention(torch.randn(1, 4, 1, 8), k, k, 0)

@@ -66,7 +66,7 @@ def test_the_checkpoint_benchmarks_run_small(tmp_path):
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     result = json.loads(out.read_text())
-    assert len(result['families']) == 7
+    assert len(result['families']) == 8
     for name, r in result['families'].items():
         assert 'error' not in r, (name, r)
         assert r['logits_relative_difference'] <= 1e-5 and r['same_tokens'], name

@@ -86,11 +86,14 @@ def test_compile_once_for_a_whole_generation():
 
 
 @pytest.mark.slow
-def test_compile_once_with_inductor_over_512_tokens():
+def test_compile_once_per_bound_with_inductor_over_512_tokens():
+    "One static graph per bound the text crosses (decode_bound): here 256, 512 and the capacity, 544."
+    from selfattn_nbdev.decoding import decode_bound
     model, prompt = _model({}, context=600), torch.randint(0, 37, (2, 32))
     torch._dynamo.reset(); counters.clear()
     out = generate(model, prompt, 512, compile=True)
-    assert counters['stats']['unique_graphs'] == 1
+    bounds = {decode_bound(n, 32 + 512) for n in range(33, 32 + 512)}
+    assert bounds == {256, 512, 544} and counters['stats']['unique_graphs'] == len(bounds)
     assert torch.equal(out, generate(model, prompt, 512))
 
 

@@ -17,7 +17,7 @@ Parts (each written to the JSON as soon as it is measured, so a run cut short ke
   and its keys and values; the fraction of it reached is the figure of merit. Tokens are compared with the
   package's eager `generate` (bfloat16 rounding may legitimately part them after a near tie: the first differing
   step is recorded).
-- `profile`: the Llama-1B shape's compiled step under torch.profiler: the CUDA time by kernel, top 12.
+  For GPT-2 and the Llama-1B shape, torch.profiler then records the CUDA time by kernel over 20 compiled steps.
 - `capacity`: the Llama-1B shape, 1,024 tokens in the cache, a compiled step at capacity 1,088 and at 32,768.
 - `flash_decoding`: one layer of the Llama-1B shape's attention at batch 1 over a 32,768-token cache:
   `split_kv_attention` (eager and compiled, several splits) against SDPA; the KV bytes read per second.
@@ -175,35 +175,6 @@ def decode_part(shapes, device, dtype, prompt_len, new, compile_arg, result, sav
         save()
 
 
-def llama_1b(shapes, device, dtype):
-    family, config = shapes['Llama-1B shape'] if 'Llama-1B shape' in shapes else shapes['Llama tiny']
-    theirs, cfg = hf_model(family, config, device, dtype)
-    return from_hf(theirs.state_dict(), cfg, dtype=dtype, device=device), cfg
-
-
-def profile_part(shapes, device, dtype, compile_arg, result, save):
-    model, cfg = llama_1b(shapes, device, dtype)
-    prompt = torch.randint(0, cfg['vocab_size'], (1, 32), device=device)
-    caches = model.new_caches(256)
-    step = _decode_step(model, compile_arg)
-    with torch.no_grad():
-        logits = model(prompt, caches)[:, -1]
-        ids = logits.argmax(-1)[:, None]
-        for _ in range(5): ids = step(ids, caches)[:, -1].argmax(-1)[:, None]   # warm
-        sync(device)
-        acts = [torch.profiler.ProfilerActivity.CPU] + (
-            [torch.profiler.ProfilerActivity.CUDA] if device.type == 'cuda' else [])
-        with torch.profiler.profile(activities=acts) as prof:
-            for _ in range(20): ids = step(ids, caches)[:, -1].argmax(-1)[:, None]
-            sync(device)
-    key = 'device_time_total' if device.type == 'cuda' else 'cpu_time_total'
-    rows = sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0), reverse=True)[:12]
-    result['profile'] = dict(steps=20, rows=[dict(name=e.key[:90], calls=e.count,
-                                                 us_per_step=getattr(e, key, 0) / 20) for e in rows])
-    print(prof.key_averages().table(sort_by=key, row_limit=12), flush=True)
-    save()
-
-
 def capacity_part(shapes, device, dtype, compile_arg, used, capacities, result, save):
     family, config = shapes['Llama-1B shape'] if 'Llama-1B shape' in shapes else shapes['Llama tiny']
     config = config | dict(num_hidden_layers=4)       # the 1B's width, 4 blocks: quicker to compile
@@ -295,8 +266,7 @@ def main():
                                           profile_shapes=('GPT-2 small', 'Llama-1B shape', 'Llama tiny')),
             'flash': lambda: flash_decoding_part(device, dtype, 32768 if cuda else 1024, result, save),
             'capacity': lambda: capacity_part(shapes, device, dtype, compile_arg, 1024 if cuda else 100,
-                                              (1088, 32768) if cuda else (128, 2048), result, save),
-            'profile': lambda: profile_part(shapes, device, dtype, compile_arg, result, save)}
+                                              (1088, 32768) if cuda else (128, 2048), result, save)}
     for part in parts:
         run = runs[part]
         t = time.perf_counter()

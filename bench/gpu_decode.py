@@ -19,6 +19,11 @@ Parts (each written to the JSON as soon as it is measured, so a run cut short ke
   step is recorded).
   For GPT-2 and the Llama-1B shape, torch.profiler then records the CUDA time by kernel over 20 compiled steps.
 - `capacity`: the Llama-1B shape, 1,024 tokens in the cache, a compiled step at capacity 1,088 and at 32,768.
+- `graphs`: where the time between kernels goes. For GPT-2 and the Llama-1B shape, the same compiled step two ways,
+  in one run on one set of caches (rewound between runs): `generate(compile=True)`'s (CUDA graphs by PyTorch's
+  cudagraph trees, which check the step's inputs on the host at every replay) and the step compiled without CUDA
+  graphs, captured by hand in one `torch.cuda.CUDAGraph` per decode bound, each step one `replay()`. The difference is
+  host time that the GPU waits for. Tokens must be the same both ways.
 - `flash_decoding`: one layer of the Llama-1B shape's attention at batch 1 over a 32,768-token cache:
   `split_kv_attention` (eager and compiled, several splits) against SDPA; the KV bytes read per second.
 """
@@ -30,7 +35,7 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from selfattn_nbdev.decoding import _decode_step, generate  # noqa: E402
+from selfattn_nbdev.decoding import _decode_step, decode_bound, generate  # noqa: E402
 from selfattn_nbdev.pretrained import from_hf  # noqa: E402
 from selfattn_nbdev.ring import split_kv_attention  # noqa: E402
 
@@ -115,6 +120,17 @@ def profile_steps(step_fn, model, prompt, new, device, steps=20) -> list:
             for e in rows]
 
 
+def decode_loop(model, step_fn, prompt, caches, new, device):
+    "Prefill, then new - 1 greedy steps: the tokens written (b, new), and a step's seconds (synchronised at both ends)."
+    with torch.no_grad():
+        ids = model(prompt, caches)[:, -1].argmax(-1)[:, None]
+        sync(device); start = time.perf_counter(); written = [ids]
+        for _ in range(new - 1):
+            ids = step_fn(ids, caches)[:, -1].argmax(-1)[:, None]; written.append(ids)
+        sync(device)
+    return torch.cat(written, 1), (time.perf_counter() - start) / (new - 1)
+
+
 def decode_part(shapes, device, dtype, prompt_len, new, compile_arg, result, save, profile_shapes=()):
     bw = bandwidth(result['device'])
     for name, (family, config) in shapes.items():
@@ -127,15 +143,9 @@ def decode_part(shapes, device, dtype, prompt_len, new, compile_arg, result, sav
             n_check = min(32, new)
             eager = generate(ours, prompt, n_check)
             step_fn = _decode_step(ours, compile_arg)       # one compiled step for every run
-            def run():  # prefill, then new - 1 steps; timed as a whole, synchronised at the ends
-                caches = ours.new_caches(prompt_len + new)
-                with torch.no_grad():
-                    ids = ours(prompt, caches)[:, -1].argmax(-1)[:, None]
-                    sync(device); start = time.perf_counter(); written = [ids]
-                    for _ in range(new - 1):
-                        ids = step_fn(ids, caches)[:, -1].argmax(-1)[:, None]; written.append(ids)
-                    sync(device)
-                return torch.cat([prompt] + written, 1), (time.perf_counter() - start) / (new - 1)
+            def run():
+                written, step = decode_loop(ours, step_fn, prompt, ours.new_caches(prompt_len + new), new, device)
+                return torch.cat([prompt, written], 1), step
             t0 = time.perf_counter(); run(); r['first_call_s'] = time.perf_counter() - t0
             out, step = min((run() for _ in range(2)), key=lambda o: o[1])
             with torch.no_grad():  # teacher-forced eager logits: where a token differs, how near a tie
@@ -172,6 +182,72 @@ def decode_part(shapes, device, dtype, prompt_len, new, compile_arg, result, sav
         except Exception as e:
             r['error'] = f'{type(e).__name__}: {e}'[:800]; traceback.print_exc()
         if device.type == 'cuda': torch.cuda.empty_cache()
+        save()
+
+
+def hand_graphed(model, device, options):
+    """The decode step compiled without CUDA graphs, captured in one torch.cuda.CUDAGraph per decode bound (and set of
+    caches), replayed: on the host, a step is a copy of its token and a replay."""
+    inner = _decode_step(model, options)          # counts the tokens, sets the bound, runs the compiled step
+    graphs = {}
+    def step(token_ids, caches):
+        bound = decode_bound(caches[0].num_seen + token_ids.shape[1], caches[0].capacity)
+        key = (bound, caches[0]._keys.data_ptr())
+        if key not in graphs:
+            static = token_ids.clone()
+            side = torch.cuda.Stream(); side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):          # warm up (compiles), then undo what it wrote
+                for _ in range(2):
+                    inner(static, caches)
+                    for c in caches: c.num_seen -= token_ids.shape[1]; c.step.sub_(token_ids.shape[1])
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph): out = inner(static, caches)
+            for c in caches: c.num_seen -= token_ids.shape[1]   # the capture ran no kernel
+            graphs[key] = (graph, static, out)
+        graph, static, out = graphs[key]
+        for c in caches: c.num_seen += token_ids.shape[1]; c.bound = bound
+        static.copy_(token_ids); graph.replay()
+        return out
+    return step
+
+
+def graphs_part(shapes, device, dtype, prompt_len, new, result, save):
+    "generate(compile=True)'s step against the same compiled step captured by hand (see the top)."
+    bw = bandwidth(result['device'])
+    cuda = device.type == 'cuda'
+    for name in [n for n in shapes if n in ('GPT-2 small', 'Llama-1B shape', 'Llama tiny')]:
+        family, config = shapes[name]
+        r = result.setdefault('graphs', {})[name] = {}
+        try:
+            theirs, cfg = hf_model(family, config, device, dtype)
+            ours = from_hf(theirs.state_dict(), cfg, dtype=dtype, device=device); del theirs
+            prompt = torch.randint(0, cfg['vocab_size'], (1, prompt_len),
+                                   generator=torch.Generator().manual_seed(1)).to(device)
+            caches = ours.new_caches(prompt_len + new)
+            steps = {'cudagraph trees': _decode_step(ours, True if cuda else dict(backend='eager')),
+                     'by hand': hand_graphed(ours, device, dict(fullgraph=True, dynamic=False)) if cuda
+                     else _decode_step(ours, dict(backend='eager'))}
+            def run(step_fn):
+                for c in caches:                   # rewind: the same storage, so the same graphs
+                    c.num_seen = 0
+                    if c.step is not None: c.step.zero_()
+                return decode_loop(ours, step_fn, prompt, caches, new, device)
+            outs = {}
+            for how, fn in steps.items():
+                t0 = time.perf_counter(); run(fn); r[how + ' first_call_s'] = time.perf_counter() - t0
+                outs[how], r[how + ' step_ms'] = min((run(fn) for _ in range(2)), key=lambda o: o[1])
+                r[how + ' step_ms'] *= 1e3
+            w, kv = weight_bytes(ours), kv_bytes_per_step(ours, prompt_len + new // 2, dtype)
+            r['same_tokens'] = bool(torch.equal(*outs.values()))
+            for how in steps:
+                r[how + ' tokens_per_s'] = 1e3 / r[how + ' step_ms']
+                if bw: r[how + ' fraction_of_bandwidth'] = (w + kv) / (r[how + ' step_ms'] / 1e3) / bw
+            print(name, r, flush=True)
+            del ours, caches
+        except Exception as e:
+            r['error'] = f'{type(e).__name__}: {e}'[:800]; traceback.print_exc()
+        if cuda: torch.cuda.empty_cache()
         save()
 
 
@@ -264,6 +340,7 @@ def main():
     runs = {'decode': lambda: decode_part({n: shapes[n] for n in only}, device, dtype, 32,
                                           result['config']['new_tokens'], compile_arg, result, save,
                                           profile_shapes=('GPT-2 small', 'Llama-1B shape', 'Llama tiny')),
+            'graphs': lambda: graphs_part(shapes, device, dtype, 32, result['config']['new_tokens'], result, save),
             'flash': lambda: flash_decoding_part(device, dtype, 32768 if cuda else 1024, result, save),
             'capacity': lambda: capacity_part(shapes, device, dtype, compile_arg, 1024 if cuda else 100,
                                               (1088, 32768) if cuda else (128, 2048), result, save)}

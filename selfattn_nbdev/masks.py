@@ -5,7 +5,8 @@
 # %% auto #0
 __all__ = ['EMPTY', 'PARTIAL', 'FULL', 'FLEX_MODES', 'FLEX_MIN_TOKENS', 'FLEX_BLOCK_MASKS', 'FLEX_RECOMPILE_LIMIT', 'causal',
            'sliding_window', 'key_padding', 'documents', 'document_positions', 'and_masks', 'or_masks', 'dense_mask',
-           'TileMask', 'block_mask', 'flex_mode', 'pick_kernel', 'flex_attend', 'varlen_attend']
+           'TileMask', 'block_mask', 'flex_mode', 'pick_kernel', 'flex_attend', 'VarlenRuns', 'varlen_runs',
+           'varlen_attend', 'Unpadded', 'unpad']
 
 # %% ../nbs/10_masks.ipynb #m19c0002
 import collections
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .core import check_count, check_size, check_tokens, patch
+from .core import check_count, check_size, check_token_ids, check_tokens, patch
 from .causal import check_context
 from .multihead import MultiHeadAttention
 from .generation import TinyGPT, TransformerBlock, _check_cache
@@ -229,12 +230,12 @@ def pick_kernel(
     num_tokens:int, num_keys:int, # queries and keys
     needs_grad:bool, # a backward pass will follow
     dropout:float, # dropout probability on the weights (0 in eval)
-    padding_only:bool=False, # the only mask is key padding (with or without causal)
+    runs_only:bool=False, # the mask only cuts rows into runs: padding, documents
     half:bool=False, # float16 or bfloat16 (what flash-attention kernels take)
 ) -> str: # 'sdpa', 'varlen', 'flex', 'flex_eager' or 'dense'
     "The fastest correct kernel for a mask: see the table above."
     if not masked: return 'sdpa'
-    if (device_type == 'cuda' and padding_only and half and not dropout
+    if (device_type == 'cuda' and runs_only and half and not dropout
             and importlib.util.find_spec('torch.nn.attention.varlen')): return 'varlen'
     mode = _current_mode()
     usable = (mode != 'off' and not dropout and num_tokens == num_keys
@@ -328,15 +329,52 @@ def _parameters(fn) -> frozenset: # the names of fn's parameters, read once
     "Which arguments a function takes (inspect reads its signature once per function)."
     return frozenset(inspect.signature(fn).parameters)
 
+class VarlenRuns(NamedTuple):
+    "The runs of tokens that attend among themselves, the real tokens end to end."
+    real:Tensor|None # bool (b, T): the tokens laid end to end; None: every token
+    cu_seqlens:Tensor # int32 (runs + 1,): where each run starts, then the total
+    longest:int # the longest run
+
+def varlen_runs(
+    key_padding_mask:Tensor|None, # bool (b, T), True = padding; or None
+    document_ids:Tensor|None=None, # int (b, T): packed documents; or None
+) -> VarlenRuns|None: # None: a document comes back after another in its row
+    "A run is a row's real tokens, or one document of a row."
+    like = key_padding_mask if key_padding_mask is not None else document_ids
+    b, T = like.shape
+    real = None if key_padding_mask is None else ~key_padding_mask   # (b, T)
+    names = [torch.arange(b, device=like.device)[:, None].expand(b, T)]  # the row
+    if document_ids is not None: names.append(document_ids)          # the document
+    names = [t.flatten() if real is None else t[real] for t in names]  # each (n,)
+    n = len(names[0])
+    starts = torch.zeros(n, dtype=torch.bool, device=like.device)
+    starts[:1] = True                                   # a run starts at a new name
+    for t in names: starts[1:] |= t[1:] != t[:-1]
+    first = starts.nonzero().flatten()                  # (runs,): the GPU waits here
+    cu_seqlens = F.pad(first, (0, 1), value=n).to(torch.int32)  # stays on the device
+    on_host = torch.stack([first, *(t[first] for t in names)]).tolist()  # small
+    if len(set(zip(*on_host[1:]))) < len(first):
+        return None  # a document in two runs: varlen cannot say so
+    ends = on_host[0][1:] + [n]
+    return VarlenRuns(real, cu_seqlens, max((e - s for s, e in zip(on_host[0], ends)),
+                                            default=0))
+
 def varlen_attend(
     queries:Tensor, # (b, num_heads, T, head_dim), float16 or bfloat16, on CUDA
     keys:Tensor,    # (b, num_kv_heads, T, head_dim)
     values:Tensor,  # (b, num_kv_heads, T, head_dim)
-    key_padding_mask:Tensor, # bool (b, T), True = padding
+    key_padding_mask:Tensor|None, # bool (b, T), True = padding; or None
     causal:bool, # hide the future
+    document_ids:Tensor|None=None, # int (b, T): packed documents; or None
+    runs:VarlenRuns|None=None, # varlen_runs of the two, if already found
 ) -> Tensor: # context vectors (b, num_heads, T, head_dim); 0 at padded queries
-    "Pack the real tokens of every row end to end, attend with varlen flash attention."
+    "Each run of tokens attends within itself, by varlen flash attention."
     from torch.nn.attention.varlen import varlen_attn
+    if runs is None: runs = varlen_runs(key_padding_mask, document_ids)
+    if runs is None:
+        raise ValueError("document_ids must give each document one run of tokens "
+                         "in its row; one comes back after another (flex_attend "
+                         "with documents() takes that)")
     params = _parameters(varlen_attn)  # its arguments changed between releases: ask
     if 'window_size' not in params: options = dict(is_causal=causal)  # the first form
     else: options = dict(window_size=(-1, 0) if causal else (-1, -1))
@@ -344,15 +382,16 @@ def varlen_attend(
     if group > 1 and 'enable_gqa' in params: options['enable_gqa'] = True
     elif group > 1:  # no grouped heads in the kernel: repeat the key/value heads
         keys, values = (t.repeat_interleave(group, dim=1) for t in (keys, values))
-    real = ~key_padding_mask                                          # (b, T)
-    lengths = real.sum(-1)                                            # (b,)
-    cu_seqlens = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)     # (b + 1,)
-    pack = lambda t: t.transpose(1, 2)[real]                          # (n, heads, hd)
-    longest = int(lengths.max())
-    packed = varlen_attn(pack(queries), pack(keys), pack(values), cu_seqlens,
-                         cu_seqlens, longest, longest, **options)
-    context = queries.new_zeros(queries.transpose(1, 2).shape)        # (b, T, h, hd)
-    context[real] = packed
+    b, heads, T, head_dim = queries.shape
+    if runs.longest == 0: return torch.zeros_like(queries)  # every token padding
+    if runs.real is None:  # no padding: the rows already lie end to end
+        pack = lambda t: t.transpose(1, 2).reshape(b * T, t.shape[1], head_dim)
+    else: pack = lambda t: t.transpose(1, 2)[runs.real]              # (n, heads, hd)
+    packed = varlen_attn(pack(queries), pack(keys), pack(values), runs.cu_seqlens,
+                         runs.cu_seqlens, runs.longest, runs.longest, **options)
+    if runs.real is None: return packed.view(b, T, heads, head_dim).transpose(1, 2)
+    context = queries.new_zeros(b, T, heads, head_dim)
+    context[runs.real] = packed
     return context.transpose(1, 2)                                    # (b, h, T, hd)
 
 # %% ../nbs/10_masks.ipynb #53653628
@@ -400,6 +439,19 @@ def _allowed(self:MultiHeadAttention,
                       device=self.W_query.weight.device)
 
 # %% ../nbs/10_masks.ipynb #fa1e9496
+_varlen = {'last': ((), None, None)}  # the runs of the last shared copies
+
+def _runs(key_padding_mask:Tensor|None, document_ids:Tensor|None) -> VarlenRuns|None:
+    "varlen_runs, found once per forward for the copies a model's blocks share."
+    reads = (key_padding_mask, document_ids)
+    versions = None if torch.compiler.is_compiling() else _versions(reads)
+    last_reads, last_versions, runs = _varlen['last']
+    if versions is not None and versions == last_versions and all(
+            new is old for new, old in zip(reads, last_reads)): return runs
+    runs = varlen_runs(key_padding_mask, document_ids)
+    if versions is not None: _varlen['last'] = (reads, versions, runs)
+    return runs
+
 @patch
 def _attend_masked(self:MultiHeadAttention,
                    queries:Tensor, # (b, num_heads, num_tokens, head_dim)
@@ -413,12 +465,16 @@ def _attend_masked(self:MultiHeadAttention,
     if plain and self.window is None:  # causal or nothing: SDPA's flag, no mask
         return self._attend_fused(queries, keys, values)
     num_tokens, dropout_p = queries.shape[2], self.dropout.p if self.training else 0.0
-    choice = pick_kernel(queries.device.type, True, num_tokens, num_tokens,
-                         queries.requires_grad, dropout_p,
-                         padding_only=document_ids is None and self.window is None,
-                         half=queries.dtype in (torch.float16, torch.bfloat16))
-    if choice == 'varlen':  # CUDA only: the real tokens, packed
-        return varlen_attend(queries, keys, values, key_padding_mask, self.causal)
+    ask = lambda runs_only: pick_kernel(
+        queries.device.type, True, num_tokens, num_tokens, queries.requires_grad,
+        dropout_p, runs_only, half=queries.dtype in (torch.float16, torch.bfloat16))
+    choice = ask(runs_only=self.window is None)
+    if choice == 'varlen':  # CUDA only: the real tokens, packed, in runs
+        runs = _runs(key_padding_mask, document_ids)
+        if runs is not None:
+            return varlen_attend(queries, keys, values, key_padding_mask,
+                                 self.causal, document_ids, runs)
+        choice = ask(runs_only=False)  # a document in two runs: FlexAttention
     if choice != 'dense':   # FlexAttention: tiles skipped, no dense mask
         form = ('window', self.window) if plain else ('batch', self.causal, self.window)
         return flex_attend(queries, keys, values,
@@ -429,6 +485,19 @@ def _attend_masked(self:MultiHeadAttention,
     return self._attend_fused(queries, keys, values, allowed)  # SDPA, the dense mask
 
 # %% ../nbs/10_masks.ipynb #e3f2a6f4
+def _check_fits(
+    num_tokens:int, # tokens in each row
+    context_length:int, # the longest sequence the module takes
+    document_ids:Tensor|None, # int (b, T): packed documents; or None
+) -> None:
+    "A row must fit in the context; packed in documents, its longest document must."
+    if document_ids is None or num_tokens <= context_length:
+        return check_context(num_tokens, context_length)
+    longest = int(document_positions(document_ids).max()) + 1  # waits for the device
+    if longest > context_length:
+        raise ValueError(f"the longest document has {longest} tokens but the module "
+                         f"was built with context_length={context_length}")
+
 @patch
 def forward(self:MultiHeadAttention,
             x:Tensor, # tokens, (num_tokens, d_in) or (batch, num_tokens, d_in)
@@ -443,8 +512,10 @@ def forward(self:MultiHeadAttention,
     x, key_padding_mask, unbatched = self._inputs(x, key_padding_mask,
                                                   return_attn_weights)
     num_tokens = x.shape[1]
-    if cache is None: check_context(num_tokens, self.context_length)
-    else: _check_cache(cache); cache.check_new_tokens(x, key_padding_mask, self)
+    if cache is not None:
+        _check_cache(cache); cache.check_new_tokens(x, key_padding_mask, self)
+    elif not getattr(document_ids, '_shared_across_blocks', False):  # model: checked
+        _check_fits(num_tokens, self.context_length, document_ids)
     if cache is not None and document_ids is not None:
         raise ValueError("document_ids cannot be combined with a cache; "
                          "generate each document on its own")
@@ -483,13 +554,19 @@ def forward(self:TinyGPT,
             document_ids:Tensor|None=None, # int (b, T): packed documents, no cache
            ) -> Tensor: # next-token logits, (b, num_tokens, vocab_size)
     "Scores for the token that follows each position; packed documents apart."
-    self._check_call(token_ids, caches)
-    if document_ids is not None and (not isinstance(document_ids, Tensor)
-                                     or document_ids.shape != token_ids.shape):
-        got = (tuple(document_ids.shape) if isinstance(document_ids, Tensor)
-               else type(document_ids).__name__)
-        raise ValueError(f"document_ids must be an integer tensor shaped like "
-                         f"token_ids {tuple(token_ids.shape)}; got {got}")
+    if document_ids is None: self._check_call(token_ids, caches)
+    else:  # the rows may be longer than the context: each document must fit
+        if caches is not None:
+            raise ValueError("document_ids cannot be combined with caches; "
+                             "generate each document on its own")
+        check_token_ids(token_ids, self.vocab_size, dims=(2,))
+        if (not isinstance(document_ids, Tensor)
+                or document_ids.shape != token_ids.shape):
+            got = (tuple(document_ids.shape) if isinstance(document_ids, Tensor)
+                   else type(document_ids).__name__)
+            raise ValueError(f"document_ids must be an integer tensor shaped like "
+                             f"token_ids {tuple(token_ids.shape)}; got {got}")
+        _check_fits(token_ids.shape[1], self.context_length, document_ids)
     num_new, device = token_ids.shape[1], token_ids.device
     if caches is not None: positions = caches[0].positions(num_new, device)  # b|1,T
     elif document_ids is not None:  # each document starts again at position 0
@@ -501,3 +578,39 @@ def forward(self:TinyGPT,
     for i, block in enumerate(self.blocks):
         x = block(x, None if caches is None else caches[i], document_ids)
     return self.head(self.norm(x))                           # (b, T, vocab_size)
+
+# %% ../nbs/10_masks.ipynb #2af85862
+class Unpadded(NamedTuple):
+    "A padded batch's real tokens, end to end in one row; each row a document."
+    token_ids:Tensor    # (1, n): the real tokens of every row, end to end
+    document_ids:Tensor # (1, n): the row each token came from
+    positions:Tensor    # (1, n): its position among its row's real tokens
+    real:Tensor         # bool (b, T): where the real tokens were
+
+    def pack(self, t:Tensor) -> Tensor: # (b, T, ...) -> (1, n, ...)
+        "Pack anything shaped like the batch (targets, weights) the same way."
+        return t[self.real][None]
+
+    def unpack(self, t:Tensor, fill=0) -> Tensor: # (1, n, ...) -> (b, T, ...)
+        "Put packed results back in their rows, `fill` where the padding was."
+        out = t.new_full((*self.real.shape, *t.shape[2:]), fill)
+        out[self.real] = t[0]
+        return out
+
+def unpad(
+    token_ids:Tensor, # (b, T): a padded batch
+    key_padding_mask:Tensor, # bool (b, T), True = padding
+) -> Unpadded: # its real tokens in one row, a document per row
+    "A padded batch as one packed row: the same results, no work on the padding."
+    check_token_ids(token_ids, math.inf, dims=(2,))
+    if (not isinstance(key_padding_mask, Tensor) or key_padding_mask.dtype != torch.bool
+            or key_padding_mask.shape != token_ids.shape):
+        got = getattr(key_padding_mask, 'dtype', type(key_padding_mask).__name__)
+        raise ValueError(f"key_padding_mask must be a bool tensor shaped like "
+                         f"token_ids {tuple(token_ids.shape)}; got {got} "
+                         f"{tuple(getattr(key_padding_mask, 'shape', ()))}")
+    real = ~key_padding_mask                                        # (b, T)
+    rows = torch.arange(len(real), device=real.device)[:, None].expand_as(real)
+    document_ids = rows[real][None]                                 # (1, n)
+    return Unpadded(token_ids[real][None], document_ids,
+                    document_positions(document_ids), real)

@@ -72,10 +72,10 @@ def test_fused_kernels_equal_the_explicit_path(name, dtype, mode):
     ours = MultiHeadAttention(D, D, T, num_heads=HEADS, **options).to(DEVICE, dtype)
     reference = copy.deepcopy(ours).double()             # the same (rounded) weights, in float64
     x, pad, ids = (None if t is None else t.to(DEVICE) for t in _inputs(padded, with_documents))
-    padding_only = with_documents is False and 'window' not in options
+    runs_only = 'window' not in options   # padding, documents or both: varlen in half precision
     half = dtype == torch.bfloat16
     with flex_mode(mode):
-        kernel = pick_kernel(DEVICE, True, T, T, True, 0.0, padding_only=padding_only, half=half)
+        kernel = pick_kernel(DEVICE, True, T, T, True, 0.0, runs_only=runs_only, half=half)
         if DEVICE == 'cpu' and kernel == 'varlen': pytest.skip('varlen flash attention runs on CUDA only')
         got = _run(ours, x.to(dtype), pad, ids, explicit=False)
     expected = _run(reference, x.to(dtype).double(), pad, ids, explicit=True)
@@ -87,8 +87,8 @@ def test_the_kernels_picked_on_cuda():
     "What the tests above exercise on CUDA: varlen for padding alone in bfloat16, FlexAttention for the rest."
     if DEVICE != 'cuda': pytest.skip('the CUDA choice')
     with flex_mode('compiled'):
-        assert pick_kernel('cuda', True, T, T, True, 0.0, padding_only=True, half=True) == 'varlen'
-        assert pick_kernel('cuda', True, T, T, True, 0.0, padding_only=True, half=False) == 'flex'
+        assert pick_kernel('cuda', True, T, T, True, 0.0, runs_only=True, half=True) == 'varlen'
+        assert pick_kernel('cuda', True, T, T, True, 0.0, runs_only=True, half=False) == 'flex'
         assert pick_kernel('cuda', True, T, T, True, 0.0) == 'flex'     # training: FlexAttention's backward
 
 
@@ -119,3 +119,26 @@ def test_compiled_decode_with_cuda_graphs_writes_the_eager_tokens():
     for a, b in zip(eager, compiled): assert torch.equal(a, b)
     again = generate(model, prompts, 12, compile=True if DEVICE == 'cuda' else dict(backend='eager'))
     for a, b in zip(eager, again): assert torch.equal(a, b)   # a second call replays, still right
+
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
+def test_unpad_trains_like_the_padded_batch(dtype):
+    "A right-padded batch and its unpadded row (varlen flash attention in bfloat16): the same loss and gradients."
+    import torch.nn.functional as F
+    from selfattn_nbdev.masks import unpad
+    torch.manual_seed(0)
+    model = TinyGPT(64, 128, d_model=64, num_heads=4, num_layers=2).to(DEVICE)
+    reference = copy.deepcopy(model).double()
+    model = model.to(dtype)
+    pad = (torch.arange(128) >= torch.tensor([[128], [40], [97], [1]])).to(DEVICE)
+    tokens, targets = torch.randint(0, 64, (2, 4, 128)).to(DEVICE).unbind(0)
+    real = ~pad
+    expected = F.cross_entropy(reference(tokens)[real], targets[real])
+    expected.backward()
+    row = unpad(tokens, pad)
+    with flex_mode('compiled'):
+        loss = F.cross_entropy(model(row.token_ids, document_ids=row.document_ids)[0].float(),
+                               row.pack(targets)[0])
+    loss.backward()
+    assert abs(loss.item() - expected.item()) < TOLERANCE[dtype] * expected.item()
+    _close(model.token_emb.weight.grad, reference.token_emb.weight.grad, dtype, 'unpad, token_emb.grad')

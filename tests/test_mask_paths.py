@@ -201,8 +201,8 @@ def test_fused_path_picks_flex_or_dense(monkeypatch):
 
 
 def test_pick_kernel_table():
-    assert pick_kernel('cuda', True, 2048, 2048, True, 0.0, padding_only=True, half=True) == 'varlen'
-    assert pick_kernel('cuda', True, 2048, 2048, True, 0.0, padding_only=True, half=False) == 'flex'
+    assert pick_kernel('cuda', True, 2048, 2048, True, 0.0, runs_only=True, half=True) == 'varlen'
+    assert pick_kernel('cuda', True, 2048, 2048, True, 0.0, runs_only=True, half=False) == 'flex'
     assert pick_kernel('cuda', True, 2048, 2048, True, 0.1) == 'dense'            # dropout
     assert pick_kernel('cuda', True, 3, 2048, False, 0.0) == 'dense'              # after a cache
     assert pick_kernel('cpu', True, 100, 100, False, 0.0) == 'dense'

@@ -1,0 +1,175 @@
+"""Packed documents and padding on varlen flash attention, and training without padding (`unpad`).
+
+varlen flash attention runs on CUDA only: here its logic runs on the CPU. `varlen_runs` against the predicate it
+replaces, `varlen_attend` with a stand-in kernel (SDPA on each run, in either of varlen_attn's signatures) against
+the dense mask, the model's route to it (once per forward, FlexAttention for a document in two runs), and `unpad`'s
+loss and gradients against the padded batch's. tests/test_cuda.py runs the real kernel on a GPU."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import selfattn_nbdev.masks as masks
+from selfattn_nbdev.generation import TinyGPT
+from selfattn_nbdev.masks import (and_masks, causal, dense_mask, documents, key_padding, unpad, varlen_attend,
+                                  varlen_runs)
+from selfattn_nbdev.pretrained import Llama
+
+from test_mask_paths import _fake_varlen
+
+
+def _random_batch(seed, b=3, T=30, padded=True, docs=True):
+    "Right padding of random lengths (a row may be all padding) and documents as runs of random lengths."
+    g = torch.Generator().manual_seed(seed)
+    pad = torch.arange(T) >= torch.randint(0, T + 1, (b, 1), generator=g) if padded else None
+    ids = torch.randint(0, 4, (b, T), generator=g).sort(-1).values * 7 if docs else None  # runs, gaps in ids
+    return pad, ids
+
+
+def _runs_mask(runs, b, T):
+    "Which real token pairs share a run, as a dense (b, T, T) mask, from cu_seqlens alone."
+    n = int(runs.cu_seqlens[-1])
+    run_of = torch.repeat_interleave(torch.arange(len(runs.cu_seqlens) - 1), runs.cu_seqlens.diff().long())
+    real = torch.ones(b, T, dtype=torch.bool) if runs.real is None else runs.real
+    where = torch.full((b, T), -1, dtype=torch.long)
+    where[real] = run_of if n else where[real]
+    same = (where[:, :, None] == where[:, None, :]) & (where[:, :, None] >= 0)
+    return same
+
+
+@pytest.mark.parametrize('seed', range(12))
+@pytest.mark.parametrize('padded,docs', [(True, False), (False, True), (True, True)])
+def test_runs_are_the_predicate(seed, padded, docs):
+    "Two real tokens share a run exactly when the padding and documents predicate lets them see each other."
+    b, T = 3, 30
+    pad, ids = _random_batch(seed, b, T, padded, docs)
+    runs = varlen_runs(pad, ids)
+    mods = ([key_padding(pad)] if padded else []) + ([documents(ids)] if docs else [])
+    allowed = dense_mask(and_masks(*mods), T, batch=b)[:, 0]                  # (b, T, T): key is real, same doc
+    real = torch.ones(b, T, dtype=torch.bool) if pad is None else ~pad
+    allowed = allowed & real[:, :, None]                                       # real queries only
+    assert torch.equal(_runs_mask(runs, b, T), allowed)
+    lengths = runs.cu_seqlens.diff()
+    assert runs.cu_seqlens.dtype == torch.int32 and int(runs.cu_seqlens[-1]) == int(real.sum())
+    assert runs.longest == (int(lengths.max()) if len(lengths) else 0) and (lengths > 0).all()
+
+
+def test_a_document_in_two_runs_has_no_varlen_runs():
+    ids = torch.tensor([[0, 0, 1, 1, 0], [2, 2, 2, 3, 3]])
+    assert varlen_runs(None, ids) is None
+    with pytest.raises(ValueError, match='one run of tokens'):
+        varlen_attend(*torch.randn(3, 2, 2, 5, 4).unbind(0), None, True, ids)
+    # the same id in two rows is two documents: that is fine
+    assert varlen_runs(None, torch.tensor([[0, 0, 1], [0, 1, 1]])).cu_seqlens.tolist() == [0, 2, 3, 4, 6]
+
+
+@pytest.mark.parametrize('new_api', [True, False], ids=['window_size', 'is_causal'])
+@pytest.mark.parametrize('is_causal', [True, False], ids=['causal', 'bidirectional'])
+@pytest.mark.parametrize('padded', [True, False], ids=['padded', 'unpadded'])
+def test_varlen_documents_on_cpu(monkeypatch, new_api, is_causal, padded):
+    "Documents (and padding) through varlen_attend's packing, the kernel faked, against the dense mask."
+    import torch.nn.attention.varlen as varlen
+    monkeypatch.setattr(varlen, 'varlen_attn', _fake_varlen(new_api))
+    b, T = 3, 30
+    pad, ids = _random_batch(5, b, T, padded, True)
+    pad = None if pad is None else pad & (torch.arange(T) > 0)               # every row keeps a token
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(b, 4, T, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(b, 2, T, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    ours = varlen_attend(q, k, v, pad, is_causal, ids)
+    mods = ([causal] if is_causal else []) + [documents(ids)] + ([key_padding(pad)] if padded else [])
+    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                         attn_mask=dense_mask(and_masks(*mods), T, batch=b))
+    real = torch.ones(b, 1, T, 1, dtype=torch.bool) if pad is None else ~pad[:, None, :, None]
+    assert (ours - ref).masked_fill(~real, 0).abs().max() < 1e-12
+    assert (ours.masked_fill(real, 0) == 0).all()
+
+
+def _varlen_everywhere(monkeypatch):
+    "Make the CPU take the varlen route (pick_kernel as on CUDA in half precision) with the stand-in kernel."
+    import torch.nn.attention.varlen as varlen
+    monkeypatch.setattr(varlen, 'varlen_attn', _fake_varlen(True))
+    real_pick = masks.pick_kernel
+    def pick(device_type, masked, T, S, needs_grad, dropout, runs_only=False, half=False):
+        if masked and runs_only and not dropout: return 'varlen'
+        return real_pick(device_type, masked, T, S, needs_grad, dropout, runs_only, half)
+    monkeypatch.setattr(masks, 'pick_kernel', pick)
+    found = []
+    monkeypatch.setattr(masks, 'varlen_runs', lambda *a: found.append(1) or varlen_runs(*a))
+    return found
+
+
+def test_a_model_finds_the_runs_once_per_forward(monkeypatch):
+    "TinyGPT's 3 blocks share one varlen_runs per forward; logits and gradients equal the dense mask's."
+    torch.manual_seed(0)
+    model = TinyGPT(vocab_size=16, context_length=12, d_model=16, num_heads=2, num_layers=3).double()
+    tokens = torch.randint(0, 16, (2, 30))
+    ids = torch.tensor([[0] * 12 + [1] * 10 + [2] * 8, [4] * 7 + [5] * 12 + [6] * 11])
+    dense = model(tokens, document_ids=ids)                       # the CPU's own route: the dense mask
+    grad_dense = torch.autograd.grad(dense.square().sum(), model.token_emb.weight)[0]
+    found = _varlen_everywhere(monkeypatch)
+    ours = model(tokens, document_ids=ids)
+    assert len(found) == 1
+    grad = torch.autograd.grad(ours.square().sum(), model.token_emb.weight)[0]
+    assert (ours - dense).abs().max() < 1e-12 and (grad - grad_dense).abs().max() < 1e-10
+    model(tokens, document_ids=ids)
+    assert len(found) == 2                                        # a new forward, a new search
+
+
+def test_a_document_in_two_runs_takes_flexattention(monkeypatch):
+    torch.manual_seed(0)
+    m = TinyGPT(vocab_size=16, context_length=30, d_model=16, num_heads=2, num_layers=2).double()
+    tokens = torch.randint(0, 16, (1, 12))
+    ids = torch.tensor([[0] * 4 + [1] * 4 + [0] * 4])             # document 0 comes back
+    with torch.no_grad():
+        expected = m(tokens, document_ids=ids)
+        _varlen_everywhere(monkeypatch)
+        assert (m(tokens, document_ids=ids) - expected).abs().max() < 1e-12
+
+
+def test_packed_rows_may_be_longer_than_the_context_but_not_a_document():
+    m = TinyGPT(vocab_size=16, context_length=8, d_model=16, num_heads=2, num_layers=1)
+    tokens = torch.randint(0, 16, (1, 20))
+    assert m(tokens, document_ids=torch.arange(20)[None] // 5).shape == (1, 20, 16)
+    with pytest.raises(ValueError, match='longest document has 10 tokens.*context_length=8'):
+        m(tokens, document_ids=torch.arange(20)[None] // 10)
+    with pytest.raises(ValueError, match='more than context_length=8'):
+        m(tokens)
+    with pytest.raises(ValueError, match='document_ids cannot be combined with caches'):
+        m(tokens[:, :4], m.new_caches(), document_ids=torch.zeros(1, 4, dtype=torch.long))
+
+
+@pytest.mark.parametrize('family', ['tinygpt', 'llama'])
+def test_unpad_gives_the_padded_batch_loss_and_gradients(family):
+    "A right-padded batch and its unpadded row: the same loss, the same gradients, the same logits at real tokens."
+    torch.manual_seed(0)
+    if family == 'tinygpt': model = TinyGPT(32, 16, d_model=16, num_heads=2, num_layers=2)
+    else: model = Llama(32, 16, d_model=16, num_heads=4, num_layers=2, num_kv_heads=2, d_hidden=24)
+    model = model.double()
+    lengths = torch.tensor([16, 3, 11, 1])
+    pad = torch.arange(16) >= lengths[:, None]
+    tokens, targets = torch.randint(0, 32, (2, 4, 16)).unbind(0)
+    real = ~pad
+    padded_logits = model(tokens)
+    padded = F.cross_entropy(padded_logits[real], targets[real])
+    g_padded = torch.autograd.grad(padded, list(model.parameters()))
+    row = unpad(tokens, pad)
+    assert row.token_ids.shape == (1, 31) and row.document_ids[0].tolist() == [0] * 16 + [1] * 3 + [2] * 11 + [3]
+    assert row.positions[0, 16:19].tolist() == [0, 1, 2]
+    logits = model(row.token_ids, document_ids=row.document_ids)   # 31 tokens: more than the context of 16
+    packed = F.cross_entropy(logits[0], row.pack(targets)[0])
+    g_packed = torch.autograd.grad(packed, list(model.parameters()))
+    assert abs(packed.item() - padded.item()) < 1e-12
+    assert max((a - b).abs().max().item() for a, b in zip(g_packed, g_padded)) < 1e-12
+    back = row.unpack(logits, fill=float('nan'))                    # (4, 16, 32)
+    assert torch.equal(back.isnan().all(-1), pad)
+    assert (back[real] - padded_logits[real]).abs().max() < 1e-12
+
+
+def test_unpad_errors_name_the_argument():
+    tokens = torch.zeros(2, 5, dtype=torch.long)
+    with pytest.raises(ValueError, match='key_padding_mask must be a bool tensor shaped like token_ids'):
+        unpad(tokens, torch.zeros(2, 5))
+    with pytest.raises(ValueError, match=r'key_padding_mask must be .*got torch.bool \(2, 4\)'):
+        unpad(tokens, torch.zeros(2, 4, dtype=torch.bool))
+    with pytest.raises(TypeError, match='token_ids must be an integer tensor'):
+        unpad(tokens.float(), torch.zeros(2, 5, dtype=torch.bool))

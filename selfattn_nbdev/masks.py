@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .core import check_count, check_size, check_token_ids, check_tokens, patch
+from .core import (check_count, check_size, check_token_ids, check_tokens,
+                                 patch)
 from .causal import check_context
 from .multihead import MultiHeadAttention
 from .generation import TinyGPT, TransformerBlock, _check_cache

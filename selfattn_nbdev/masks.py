@@ -598,6 +598,8 @@ class Unpadded(NamedTuple):
         out[self.real] = t[0]
         return out
 
+
+# %% ../nbs/10_masks.ipynb #d5772693
 def unpad(
     token_ids:Tensor, # (b, T): a padded batch
     key_padding_mask:Tensor, # bool (b, T), True = padding

@@ -2,6 +2,8 @@
 
     python bench/gpu_packed.py --out bench/gpu_packed.json   # on a CUDA GPU, bfloat16; merged into bench/gpu.json
     python bench/gpu_packed.py --small --out /tmp/p.json     # anywhere: tiny sizes, float32, checks the script
+    python bench/gpu_packed.py --part unpad --out bench/cpu_unpad.json   # on a CPU: the padding-free part, float32,
+                                                             # TinyGPT(4096, 1024, d_model 256, 4 heads, 4 blocks), batch 8
 
 documents (`--part documents`): one causal `MultiHeadAttention` (d_model 2,048, 16 heads, batch 4, T = 8,192) on rows
 packed with documents of random lengths (mean 1,024 tokens; they cross no row). Every contender runs from x: the
@@ -22,7 +24,7 @@ trained on a batch of 16 rows of 1,024 tokens, right-padded with random lengths 
   `row.pack(targets)`: the unpadding and the search for the runs are inside the timing;
 - hand-written: the same model's weights used by a loop written for packed tokens alone: embeddings of the packed
   tokens and positions, each block's norms, projections, `varlen_attn` on cu_seqlens computed once outside the
-  timing, MLP; the head and the loss.
+  timing, MLP; the head and the loss. On a CPU (no varlen kernel) both use SDPA run by run.
 The losses of the three must agree (printed).
 
 Times are medians of synchronized calls after a warm-up (which includes compiling); the JSON is written after every
@@ -61,8 +63,8 @@ def kernel(cuda):
         return lambda q, k, v, cu, longest: varlen_attn(q, k, v, cu, cu, longest, longest, window_size=(-1, 0))
     def per_run(q, k, v, cu, longest):
         bounds = cu.tolist()
-        return torch.cat([F.scaled_dot_product_attention(*(t[a:b].transpose(0, 1) for t in (q, k, v)),
-                                                         is_causal=True).transpose(0, 1)
+        return torch.cat([F.scaled_dot_product_attention(*(t[None, a:b].transpose(1, 2) for t in (q, k, v)),
+                                                         is_causal=True)[0].transpose(0, 1)
                           for a, b in zip(bounds[:-1], bounds[1:])])
     return per_run
 
@@ -144,8 +146,9 @@ def hand_written(model, tokens, positions, cu, longest, targets, attend):
 
 
 def unpad_part(cuda, device, dtype, small, save):
-    vocab, T, d, heads, layers, batch = (32000, 1024, 768, 12, 12, 16) if not small else (64, 64, 32, 4, 2, 4)
-    reps = 10 if cuda else 2
+    vocab, T, d, heads, layers, batch = ((32000, 1024, 768, 12, 12, 16) if cuda else
+                                         (64, 64, 32, 4, 2, 4) if small else (4096, 1024, 256, 4, 4, 8))
+    reps = 10 if cuda else 2 if small else 5
     g = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     model = TinyGPT(vocab, T, d_model=d, num_heads=heads, num_layers=layers).to(device, dtype)
@@ -193,7 +196,9 @@ def main():
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and not args.small
     device, dtype = ('cuda', torch.bfloat16) if cuda else ('cpu', torch.float32)
-    name = torch.cuda.get_device_name() if cuda else f'CPU (small sizes, {torch.get_num_threads()} threads)'
+    from bench.benchmark import cpu_model
+    name = (torch.cuda.get_device_name() if cuda else
+            f"{cpu_model()} CPU{' (small sizes)' if args.small else ''}, {torch.get_num_threads()} threads")
     result = {'device': name, 'torch': torch.__version__, 'dtype': str(dtype),
               'date': datetime.date.today().isoformat(),
               'command': shlex.join(['python', 'bench/' + Path(__file__).name, *sys.argv[1:]])}

@@ -21,6 +21,30 @@ def test_gpu_bench_runs_small_on_cpu(tmp_path):
 
 
 @pytest.mark.slow
+def test_packed_bench_runs_small_on_cpu(tmp_path):
+    "bench/gpu_packed.py --small: every contender runs, and the padded, unpadded and hand-written losses agree."
+    out = tmp_path / 'packed.json'
+    subprocess.run([sys.executable, str(ROOT / 'bench' / 'gpu_packed.py'), '--small', '--out', str(out)],
+                   check=True, capture_output=True, timeout=300)
+    result = json.loads(out.read_text())
+    assert not [k for k in result if k.endswith('_error')], result
+    assert max(result['documents']['max_diff_vs_varlen'].values()) < 1e-5
+    losses = list(result['unpad']['loss'].values())
+    assert len(losses) == 3 and max(losses) - min(losses) < 1e-5
+    assert all(result['unpad'][f'training_{n}_s'] > 0 for n in ('padded', 'unpad', 'hand_written'))
+
+
+@pytest.mark.slow
+def test_gpu_decode_graphs_part_runs_small_on_cpu(tmp_path):
+    "bench/gpu_decode.py --part graphs --small: both ways of replaying the step write the same tokens."
+    out = tmp_path / 'graphs.json'
+    subprocess.run([sys.executable, str(ROOT / 'bench' / 'gpu_decode.py'), '--small', '--part', 'graphs', '--out',
+                    str(out)], check=True, capture_output=True, timeout=300)
+    graphs = json.loads(out.read_text())['graphs']
+    assert graphs and all(r['same_tokens'] for r in graphs.values())
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize('probe', ['blockmask_probe', 'guard_probe', 'decode_probe'])
 def test_gpu_probes_run_small_on_cpu(probe):
     "The probes bench/gpu_run.sh runs on a GPU also run here with --small, so a GPU session does not find them broken."

@@ -299,9 +299,9 @@ def _fake_varlen(new_api):
 @pytest.mark.parametrize('is_causal', [True, False], ids=['causal', 'bidirectional'])
 def test_varlen_packing_on_cpu(monkeypatch, new_api, is_causal):
     "varlen_attend's packing, cu_seqlens, grouped heads and unpacking against the dense mask (the kernel faked)."
-    import torch.nn.attention.varlen as varlen
+    import selfattn_nbdev.masks as masks
     from selfattn_nbdev.masks import varlen_attend
-    monkeypatch.setattr(varlen, 'varlen_attn', _fake_varlen(new_api))
+    monkeypatch.setattr(masks, '_varlen_kernel', lambda device: _fake_varlen(new_api))
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, T, 8, generator=g, dtype=torch.float64)
     k, v = (torch.randn(2, 2, T, 8, generator=g, dtype=torch.float64) for _ in range(2))   # GQA: 2 groups

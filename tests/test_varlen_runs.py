@@ -1,6 +1,6 @@
 """Packed documents and padding on varlen flash attention, and training without padding (`unpad`).
 
-varlen flash attention runs on CUDA only: here its logic runs on the CPU. `varlen_runs` against the predicate it
+varlen flash attention runs on CUDA only: here its logic runs on the CPU, and so does its CPU form (SDPA run by run). `varlen_runs` against the predicate it
 replaces, `varlen_attend` with a stand-in kernel (SDPA on each run, in either of varlen_attn's signatures) against
 the dense mask, the model's route to it (once per forward, FlexAttention for a document in two runs), and `unpad`'s
 loss and gradients against the padded batch's. tests/test_cuda.py runs the real kernel on a GPU."""
@@ -67,8 +67,7 @@ def test_a_document_in_two_runs_has_no_varlen_runs():
 @pytest.mark.parametrize('padded', [True, False], ids=['padded', 'unpadded'])
 def test_varlen_documents_on_cpu(monkeypatch, new_api, is_causal, padded):
     "Documents (and padding) through varlen_attend's packing, the kernel faked, against the dense mask."
-    import torch.nn.attention.varlen as varlen
-    monkeypatch.setattr(varlen, 'varlen_attn', _fake_varlen(new_api))
+    monkeypatch.setattr(masks, '_varlen_kernel', lambda device: _fake_varlen(new_api))
     b, T = 3, 30
     pad, ids = _random_batch(5, b, T, padded, True)
     pad = None if pad is None else pad & (torch.arange(T) > 0)               # every row keeps a token
@@ -86,8 +85,7 @@ def test_varlen_documents_on_cpu(monkeypatch, new_api, is_causal, padded):
 
 def _varlen_everywhere(monkeypatch):
     "Make the CPU take the varlen route (pick_kernel as on CUDA in half precision) with the stand-in kernel."
-    import torch.nn.attention.varlen as varlen
-    monkeypatch.setattr(varlen, 'varlen_attn', _fake_varlen(True))
+    monkeypatch.setattr(masks, '_varlen_kernel', lambda device: _fake_varlen(True))
     real_pick = masks.pick_kernel
     def pick(device_type, masked, T, S, needs_grad, dropout, runs_only=False, half=False):
         if masked and runs_only and not dropout: return 'varlen'
@@ -173,3 +171,35 @@ def test_unpad_errors_name_the_argument():
         unpad(tokens, torch.zeros(2, 4, dtype=torch.bool))
     with pytest.raises(TypeError, match='token_ids must be an integer tensor'):
         unpad(tokens.float(), torch.zeros(2, 5, dtype=torch.bool))
+
+
+def test_the_cpu_attends_run_by_run_with_a_backward():
+    """On a CPU, from RUNS_MIN_TOKENS tokens, padding and documents go to SDPA run by run (no dense mask over the
+    packed row): an unpadded batch of 1,200 tokens gives the padded batch's loss and gradients; past RUNS_MAX runs,
+    the dense mask again."""
+    torch.manual_seed(0)
+    model = TinyGPT(32, 512, d_model=16, num_heads=2, num_layers=2).double()
+    lengths = torch.tensor([512, 300, 388])
+    pad = torch.arange(512) >= lengths[:, None]
+    tokens, targets = torch.randint(0, 32, (2, 3, 512)).unbind(0)
+    padded = F.cross_entropy(model(tokens)[~pad], targets[~pad])
+    g_padded = torch.autograd.grad(padded, list(model.parameters()))
+    row = unpad(tokens, pad)
+    assert row.token_ids.shape[1] >= masks.RUNS_MIN_TOKENS
+    assert masks.pick_kernel('cpu', True, 1200, 1200, True, 0.0, runs_only=True) == 'varlen'
+    picked = []
+    real_pick = masks.pick_kernel
+    masks.pick_kernel = lambda *a, **kw: picked.append(real_pick(*a, **kw)) or picked[-1]
+    try: packed = F.cross_entropy(model(row.token_ids, document_ids=row.document_ids)[0], row.pack(targets)[0])
+    finally: masks.pick_kernel = real_pick
+    assert picked == ['varlen', 'varlen']
+    g_packed = torch.autograd.grad(packed, list(model.parameters()))
+    assert abs(packed.item() - padded.item()) < 1e-12
+    assert max((a - b).abs().max().item() for a, b in zip(g_packed, g_padded)) < 1e-12
+    many = torch.arange(1100)[None] // 4                                   # 275 documents of 4 tokens
+    assert len(varlen_runs(None, many).cu_seqlens) - 1 > masks.RUNS_MAX
+    m = masks.MultiHeadAttention(8, 8, 1100, num_heads=2).double()
+    x = torch.randn(1, 1100, 8, dtype=torch.float64)
+    with torch.no_grad():
+        alone = torch.cat([m(part) for part in x.split(4, dim=1)], dim=1)
+        assert (m(x, document_ids=many) - alone).abs().max() < 1e-12

@@ -239,9 +239,11 @@ def pick_kernel(
     if not masked: return 'sdpa'
     if (device_type == 'cuda' and runs_only and half and not dropout
             and importlib.util.find_spec('torch.nn.attention.varlen')): return 'varlen'
-    if (device_type == 'cpu' and runs_only and not dropout and num_tokens == num_keys
-            and num_tokens >= RUNS_MIN_TOKENS): return 'varlen'  # SDPA run by run
     mode = _current_mode()
+    flex_asked = mode in ('compiled', 'eager') and not needs_grad  # no CPU backward
+    if (device_type == 'cpu' and runs_only and not dropout and num_tokens == num_keys
+            and num_tokens >= RUNS_MIN_TOKENS and not flex_asked):
+        return 'varlen'  # SDPA run by run
     usable = (mode != 'off' and not dropout and num_tokens == num_keys
               and not (needs_grad and device_type == 'cpu'))  # no CPU backward
     if usable and mode == 'eager': return 'flex_eager'

@@ -388,7 +388,7 @@ def _varlen_kernel(device:torch.device) -> Callable: # varlen_attn or its CPU fo
     return varlen_attn
 
 def varlen_attend(
-    queries:Tensor, # (b, num_heads, T, head_dim), float16 or bfloat16, on CUDA
+    queries:Tensor, # (b, num_heads, T, head_dim): CUDA in half precision, or CPU
     keys:Tensor,    # (b, num_kv_heads, T, head_dim)
     values:Tensor,  # (b, num_kv_heads, T, head_dim)
     key_padding_mask:Tensor|None, # bool (b, T), True = padding; or None
@@ -497,7 +497,7 @@ def _attend_masked(self:MultiHeadAttention,
         queries.device.type, True, num_tokens, num_tokens, queries.requires_grad,
         dropout_p, runs_only, half=queries.dtype in (torch.float16, torch.bfloat16))
     choice = ask(runs_only=self.window is None)
-    if choice == 'varlen':  # CUDA only: the real tokens, packed, in runs
+    if choice == 'varlen':  # the real tokens, packed, in runs
         runs = _runs(key_padding_mask, document_ids)
         if runs is not None and (queries.is_cuda or len(runs.cu_seqlens) <= RUNS_MAX):
             return varlen_attend(queries, keys, values, key_padding_mask,

@@ -203,3 +203,24 @@ def test_the_cpu_attends_run_by_run_with_a_backward():
     with torch.no_grad():
         alone = torch.cat([m(part) for part in x.split(4, dim=1)], dim=1)
         assert (m(x, document_ids=many) - alone).abs().max() < 1e-12
+
+
+@pytest.mark.parametrize('is_causal', [True, False], ids=['causal', 'bidirectional'])
+@pytest.mark.parametrize('padded', [True, False], ids=['padded', 'unpadded'])
+def test_the_cpu_kernel_itself(is_causal, padded):
+    "varlen_attend with its own CPU kernel (SDPA run by run), grouped heads, forward and backward, against the dense mask."
+    b, T = 3, 30
+    pad, ids = _random_batch(7, b, T, padded, True)
+    pad = None if pad is None else pad & (torch.arange(T) > 0)
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(b, 4, T, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(b, 2, T, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    mods = ([causal] if is_causal else []) + [documents(ids)] + ([key_padding(pad)] if padded else [])
+    real = torch.ones(b, 1, T, 1, dtype=torch.bool) if pad is None else ~pad[:, None, :, None]
+    ours = varlen_attend(q, k, v, pad, is_causal, ids).masked_fill(~real, 0)
+    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                         attn_mask=dense_mask(and_masks(*mods), T, batch=b)).masked_fill(~real, 0)
+    assert (ours - ref).abs().max() < 1e-12
+    w = torch.randn(ours.shape, generator=g, dtype=torch.float64)
+    grads = [torch.autograd.grad((out * w).sum(), (q, k, v)) for out in (ours, ref)]
+    assert max((a - c).abs().max().item() for a, c in zip(*grads)) < 1e-12

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from selfattn_nbdev.generation import TinyGPT  # noqa: E402
-from selfattn_nbdev.masks import (_share_across_blocks, and_masks, causal, documents, flex_mode,  # noqa: E402
+from selfattn_nbdev.masks import (_sdpa_by_run, _share_across_blocks, and_masks, causal, documents, flex_mode,  # noqa: E402
                                   unpad, varlen_runs)
 from selfattn_nbdev.multihead import MultiHeadAttention  # noqa: E402
 
@@ -57,16 +57,11 @@ def timed(fn, reps, cuda):
 
 
 def kernel(cuda):
-    "varlen_attn on CUDA; on the small CPU run, SDPA on each run (the tests' stand-in)."
+    "varlen_attn on CUDA; on a CPU (no varlen kernel there) the package's own form of it, SDPA run by run."
     if cuda:
         from torch.nn.attention.varlen import varlen_attn
-        return lambda q, k, v, cu, longest: varlen_attn(q, k, v, cu, cu, longest, longest, window_size=(-1, 0))
-    def per_run(q, k, v, cu, longest):
-        bounds = cu.tolist()
-        return torch.cat([F.scaled_dot_product_attention(*(t[None, a:b].transpose(1, 2) for t in (q, k, v)),
-                                                         is_causal=True)[0].transpose(0, 1)
-                          for a, b in zip(bounds[:-1], bounds[1:])])
-    return per_run
+    else: varlen_attn = _sdpa_by_run
+    return lambda q, k, v, cu, longest: varlen_attn(q, k, v, cu, cu, longest, longest, window_size=(-1, 0))
 
 
 def document_ids(batch, T, mean, generator, device):

@@ -262,6 +262,13 @@ def _share_across_blocks(
     copy._shared_across_blocks = True
     return copy
 
+def _unwritten(reads:tuple, versions:tuple|None, last:tuple) -> bool:
+    "The same shared copies as `last` (reads, versions), none written since."
+    last_reads, last_versions = last
+    return (versions is not None and versions == last_versions and
+            len(reads) == len(last_reads) and
+            all(new is old for new, old in zip(reads, last_reads)))
+
 def _versions(tensors:tuple) -> tuple|None: # each tensor's in-place write count
     "Version counters of shared copies; None unless all are shared copies that count."
     if any(t is not None and (t.is_inference() or
@@ -301,10 +308,8 @@ def flex_attend(
             if block is not None: _flex['block_masks'].move_to_end(key)  # just used
     else:  # the last block mask, if built from these shared copies, unwritten
         last_key, last_reads, last_versions, block = _flex['last']
-        same = (key is not None and versions is not None and key == last_key and
-                versions == last_versions and len(reads) == len(last_reads) and
-                all(new is old for new, old in zip(reads, last_reads)))
-        if not same: block = None
+        if not (key is not None and key == last_key and
+                _unwritten(reads, versions, (last_reads, last_versions))): block = None
     if compiled and _flex['compiled'] is None:  # the kernel, the per-batch builder:
         # shapes as the first call's, then dynamic once a length changes (not one each)
         _flex['compiled'] = (torch.compile(flex_attention),
@@ -474,8 +479,7 @@ def _runs(key_padding_mask:Tensor|None, document_ids:Tensor|None) -> VarlenRuns|
     reads = (key_padding_mask, document_ids)
     versions = None if torch.compiler.is_compiling() else _versions(reads)
     last_reads, last_versions, runs = _varlen['last']
-    if versions is not None and versions == last_versions and all(
-            new is old for new, old in zip(reads, last_reads)): return runs
+    if _unwritten(reads, versions, (last_reads, last_versions)): return runs
     runs = varlen_runs(key_padding_mask, document_ids)
     if versions is not None: _varlen['last'] = (reads, versions, runs)
     return runs
@@ -517,11 +521,13 @@ def _check_fits(
     num_tokens:int, # tokens in each row
     context_length:int, # the longest sequence the module takes
     document_ids:Tensor|None, # int (b, T): packed documents; or None
+    positions:Tensor|None=None, # document_positions(document_ids), if found already
 ) -> None:
     "A row must fit in the context; packed in documents, its longest document must."
     if document_ids is None or num_tokens <= context_length:
         return check_context(num_tokens, context_length)
-    longest = int(document_positions(document_ids).max()) + 1  # waits for the device
+    if positions is None: positions = document_positions(document_ids)
+    longest = int(positions.max()) + 1  # waits for the device
     if longest > context_length:
         raise ValueError(f"the longest document has {longest} tokens but the module "
                          f"was built with context_length={context_length}")
@@ -594,12 +600,12 @@ def forward(self:TinyGPT,
                    else type(document_ids).__name__)
             raise ValueError(f"document_ids must be an integer tensor shaped like "
                              f"token_ids {tuple(token_ids.shape)}; got {got}")
-        _check_fits(token_ids.shape[1], self.context_length, document_ids)
+        positions = document_positions(document_ids)  # each starts again at 0
+        _check_fits(token_ids.shape[1], self.context_length, document_ids, positions)
     num_new, device = token_ids.shape[1], token_ids.device
     if caches is not None: positions = caches[0].positions(num_new, device)  # b|1,T
-    elif document_ids is not None:  # each document starts again at position 0
-        positions = document_positions(document_ids)                     # (b, T)
-    else: positions = torch.arange(num_new, device=device)[None]        # (1, T)
+    elif document_ids is None:  # (documents: their positions, found above)
+        positions = torch.arange(num_new, device=device)[None]          # (1, T)
     x = self.token_emb(token_ids)                            # (b, T, d_model)
     if self.pos_emb is not None: x = x + self.pos_emb(positions)
     document_ids = _share_across_blocks(document_ids)  # one block mask for all

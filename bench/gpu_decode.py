@@ -18,6 +18,10 @@ Parts (each written to the JSON as soon as it is measured, so a run cut short ke
   package's eager `generate` (bfloat16 rounding may legitimately part them after a near tie: the first differing
   step is recorded).
   For GPT-2 and the Llama-1B shape, torch.profiler then records the CUDA time by kernel over 20 compiled steps.
+- `stacked`: for each shape, the compiled step with q, k, v (and Llama's gate and up) as separate products and as
+  one product each (`stacked`, which `generate` holds), the same weights, in one run; the ratio of their steps and
+  whether they write the same tokens. The other parts run stacked, as `generate` does. With `--cpu`, the real shapes
+  run on the CPU in float32, compiled by inductor, 64 new tokens.
 - `capacity`: the Llama-1B shape, 1,024 tokens in the cache, a compiled step at capacity 1,088 and at 32,768.
 - `graphs`: where the time between kernels goes. For GPT-2 and the Llama-1B shape, the same compiled step two ways,
   in one run on one set of caches (rewound between runs): `generate(compile=True)`'s (CUDA graphs by PyTorch's
@@ -27,7 +31,7 @@ Parts (each written to the JSON as soon as it is measured, so a run cut short ke
 - `flash_decoding`: one layer of the Llama-1B shape's attention at batch 1 over a 32,768-token cache:
   `split_kv_attention` (eager and compiled, several splits) against SDPA; the KV bytes read per second.
 """
-import argparse, datetime, json, shlex, statistics, sys, time, traceback
+import argparse, contextlib, datetime, json, shlex, statistics, sys, time, traceback
 from pathlib import Path
 
 import torch
@@ -35,7 +39,7 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from selfattn_nbdev.decoding import _decode_step, decode_bound, generate  # noqa: E402
+from selfattn_nbdev.decoding import _decode_step, decode_bound, generate, stacked  # noqa: E402
 from selfattn_nbdev.pretrained import from_hf  # noqa: E402
 from selfattn_nbdev.ring import split_kv_attention  # noqa: E402
 
@@ -56,6 +60,13 @@ SMALL = {
 }
 
 
+def cpu_name() -> str:
+    "The CPU's model name and the threads torch uses: CPU figures differ between machines."
+    try: name = next(l.split(':', 1)[1].strip() for l in open('/proc/cpuinfo') if l.startswith('model name'))
+    except (OSError, StopIteration): name = 'cpu'
+    return f'{name} ({torch.get_num_threads()} threads)'
+
+
 def bandwidth(device_name: str):
     return next((bw for key, bw in BANDWIDTH.items() if key in device_name), None)
 
@@ -71,6 +82,14 @@ def hf_model(family: str, config: dict, device, dtype):
         try: model = cls(cfg)
         finally: torch.set_default_dtype(old)
     return model.eval(), cfg.to_dict()
+
+
+def ours_and_prompt(family: str, config: dict, device, dtype, prompt_len: int):
+    "The package's model on transformers' random weights (from_hf), and a random prompt (1, prompt_len)."
+    theirs, cfg = hf_model(family, config, device, dtype)
+    ours = from_hf(theirs.state_dict(), cfg, dtype=dtype, device=device)
+    prompt = torch.randint(0, cfg['vocab_size'], (1, prompt_len), generator=torch.Generator().manual_seed(1))
+    return ours, prompt.to(device)
 
 
 def weight_bytes(model) -> int:
@@ -120,9 +139,10 @@ def profile_steps(step_fn, model, prompt, new, device, steps=20) -> list:
             for e in rows]
 
 
-def decode_loop(model, step_fn, prompt, caches, new, device):
-    "Prefill, then new - 1 greedy steps: the tokens written (b, new), and a step's seconds (synchronised at both ends)."
-    with torch.no_grad():
+def decode_loop(model, step_fn, prompt, caches, new, device, stack=True):
+    """Prefill, then new - 1 greedy steps: the tokens written (b, new), and a step's seconds (synchronised at both
+    ends). With `stack`, inside `stacked(model)` as `generate` runs: q, k, v (and gate, up) one product each."""
+    with stacked(model) if stack else contextlib.nullcontext(), torch.no_grad():
         ids = model(prompt, caches)[:, -1].argmax(-1)[:, None]
         sync(device); start = time.perf_counter(); written = [ids]
         for _ in range(new - 1):
@@ -220,10 +240,7 @@ def graphs_part(shapes, device, dtype, prompt_len, new, result, save):
         family, config = shapes[name]
         r = result.setdefault('graphs', {})[name] = {}
         try:
-            theirs, cfg = hf_model(family, config, device, dtype)
-            ours = from_hf(theirs.state_dict(), cfg, dtype=dtype, device=device); del theirs
-            prompt = torch.randint(0, cfg['vocab_size'], (1, prompt_len),
-                                   generator=torch.Generator().manual_seed(1)).to(device)
+            ours, prompt = ours_and_prompt(family, config, device, dtype, prompt_len)
             caches = ours.new_caches(prompt_len + new)
             steps = {'cudagraph trees': _decode_step(ours, True if cuda else dict(backend='eager')),
                      'by hand': hand_graphed(ours, device, dict(fullgraph=True, dynamic=False)) if cuda
@@ -248,6 +265,41 @@ def graphs_part(shapes, device, dtype, prompt_len, new, result, save):
         except Exception as e:
             r['error'] = f'{type(e).__name__}: {e}'[:800]; traceback.print_exc()
         if cuda: torch.cuda.empty_cache()
+        save()
+
+
+def stacked_part(shapes, device, dtype, prompt_len, new, compile_arg, result, save):
+    """The compiled step with q, k, v (and Llama's gate and up) as separate products and stacked into one, on the
+    same weights in one run: each way compiled and run once, then timed twice in turns, its better run kept."""
+    bw = bandwidth(result['device'])
+    for name, (family, config) in shapes.items():
+        r = result.setdefault('stacked', {})[name] = {}
+        try:
+            ours, prompt = ours_and_prompt(family, config, device, dtype, prompt_len)
+            step_fn = _decode_step(ours, compile_arg)
+            run = lambda stack: decode_loop(ours, step_fn, prompt, ours.new_caches(prompt_len + new), new, device,
+                                            stack=stack)
+            ways, best = {'separate': False, 'stacked': True}, {}
+            for how, stack in ways.items():
+                t0 = time.perf_counter(); run(stack); r[how + ' first_call_s'] = time.perf_counter() - t0
+            for _ in range(2):
+                for how, stack in ways.items():
+                    out = run(stack)
+                    if how not in best or out[1] < best[how][1]: best[how] = out
+            w, kv = weight_bytes(ours), kv_bytes_per_step(ours, prompt_len + new // 2, dtype)
+            for how, (_, step) in best.items():
+                r[how + ' step_ms'], r[how + ' tokens_per_s'] = step * 1e3, 1 / step
+                if bw: r[how + ' fraction_of_bandwidth'] = (w + kv) / step / bw
+            r['stacked / separate'] = best['stacked'][1] / best['separate'][1]
+            apart, together = best['separate'][0], best['stacked'][0]
+            r['same_tokens'] = bool(torch.equal(apart, together))
+            differ = (apart != together).nonzero()
+            r['first_differing_step'] = differ[0, 1].item() if len(differ) else None
+            print(name, r, flush=True)
+            del ours
+        except Exception as e:
+            r['error'] = f'{type(e).__name__}: {e}'[:800]; traceback.print_exc()
+        if device.type == 'cuda': torch.cuda.empty_cache()
         save()
 
 
@@ -316,20 +368,21 @@ def main():
     ap.add_argument('--part', default='decode,flash,capacity')
     ap.add_argument('--shapes', default='', help='comma-separated names (default: all)')
     ap.add_argument('--tuned', action='store_true', help="inductor's coordinate-descent tuning (gpt-fast's)")
+    ap.add_argument('--cpu', action='store_true', help='the real shapes on the CPU, compiled by inductor, float32')
     a = ap.parse_args()
-    cuda = torch.cuda.is_available() and not a.small
+    cuda = torch.cuda.is_available() and not a.small and not a.cpu
     device = torch.device('cuda' if cuda else 'cpu')
     dtype = torch.bfloat16 if cuda else torch.float32
     shapes = SHAPES if not a.small else SMALL
     if a.tuned:  # gpt-fast's setting: inductor tunes each kernel's launch; longer first call
         torch._inductor.config.coordinate_descent_tuning = True
-    compile_arg = True if cuda else dict(backend='eager', fullgraph=True)
+    compile_arg = True if cuda or a.cpu else dict(backend='eager', fullgraph=True)
     out = Path(a.out) if a.out else None
-    result = dict(device=torch.cuda.get_device_name() if cuda else 'cpu', dtype=str(dtype).replace('torch.', ''),
+    result = dict(device=torch.cuda.get_device_name() if cuda else cpu_name(), dtype=str(dtype).replace('torch.', ''),
                   torch=torch.__version__, date=datetime.date.today().isoformat(),
                   command=shlex.join(['python', 'bench/gpu_decode.py'] + sys.argv[1:]),
                   bandwidth_bytes_per_s=bandwidth(torch.cuda.get_device_name()) if cuda else None,
-                  config=dict(batch=1, prompt_tokens=32, new_tokens=256 if not a.small else 16,
+                  config=dict(batch=1, prompt_tokens=32, new_tokens=16 if a.small else 64 if a.cpu else 256,
                               coordinate_descent_tuning=a.tuned), decode={})
     try:
         import transformers; result['transformers'] = transformers.__version__
@@ -340,6 +393,8 @@ def main():
     runs = {'decode': lambda: decode_part({n: shapes[n] for n in only}, device, dtype, 32,
                                           result['config']['new_tokens'], compile_arg, result, save,
                                           profile_shapes=('GPT-2 small', 'Llama-1B shape', 'Llama tiny')),
+            'stacked': lambda: stacked_part({n: shapes[n] for n in only}, device, dtype, 32,
+                                            result['config']['new_tokens'], compile_arg, result, save),
             'graphs': lambda: graphs_part(shapes, device, dtype, 32, result['config']['new_tokens'], result, save),
             'flash': lambda: flash_decoding_part(device, dtype, 32768 if cuda else 1024, result, save),
             'capacity': lambda: capacity_part(shapes, device, dtype, compile_arg, 1024 if cuda else 100,

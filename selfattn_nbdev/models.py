@@ -23,6 +23,7 @@ from .core import check_size, check_tokens
 from .causal import causal_mask, check_context
 from .multihead import MultiHeadAttention
 from .generation import TinyGPT, TransformerBlock, _check_cache
+from .decoding import project
 from .modern import rope_rotate
 from .recent import (LlamaAttention, check_rope_scaling, layer_windows,
                                    rope_frequencies, soft_cap)
@@ -72,9 +73,12 @@ class SwiGLU(nn.Module):
         self.up = nn.Linear(d_model, d_hidden, bias=False)
         self.down = nn.Linear(d_hidden, d_model, bias=False)
 
+    stacked_linears = (('gate', 'up'),)  # one product inside `stacked` (Batches)
+
     def forward(self, x:Tensor) -> Tensor: # (..., d_model) -> (..., d_model)
         "silu(x W_gate) * (x W_up), then W_down."
-        return self.down(F.silu(self.gate(x)) * self.up(x))  # (..., d_model)
+        gate, up = project(x, self.gate, self.up)             # (..., d_hidden) each
+        return self.down(F.silu(gate) * up)                   # (..., d_model)
 
 # %% ../nbs/13_pretrained.ipynb #a328aa03
 class LlamaBlock(nn.Module):
@@ -369,7 +373,8 @@ class GeGLU(SwiGLU):
     "Gemma's MLP: SwiGLU with the tanh GELU as its gate."
     def forward(self, x:Tensor) -> Tensor: # (..., d_model) -> (..., d_model)
         "gelu_tanh(x W_gate) * (x W_up), then W_down."
-        return self.down(F.gelu(self.gate(x), approximate="tanh") * self.up(x))
+        gate, up = project(x, self.gate, self.up)             # (..., d_hidden) each
+        return self.down(F.gelu(gate, approximate="tanh") * up)
 
 class ScaledEmbedding(nn.Embedding):
     "Gemma's token table: every vector times sqrt(d_model), in the table's dtype."

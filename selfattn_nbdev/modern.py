@@ -278,9 +278,7 @@ def _project(self:MultiHeadAttention,
              positions:Tensor|None=None, # RoPE's (b | 1, T); None: 0 .. T-1
             ) -> tuple: # queries (b, heads, T, hd); keys, values (b, kv, T, hd)
     "Queries, keys and values of `x` in heads; with RoPE, queries and keys turned."
-    queries = self._split_heads(self.W_query(x))       # (b, heads, T, head_dim)
-    keys = self._split_heads(self.W_key(x))            # (b, kv_heads, T, hd)
-    values = self._split_heads(self.W_value(x))        # (b, kv_heads, T, hd)
+    queries, keys, values = self._qkv(x)  # (b, heads, T, hd); (b, kv_heads, T, hd)
     if self.rope:  # turn each query and key by the angle of its position
         cos, sin = self._rope_table(self.context_length, queries)  # (positions, hd)
         if positions is None: cos, sin = cos[:x.shape[1]], sin[:x.shape[1]]

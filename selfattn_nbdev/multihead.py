@@ -108,12 +108,16 @@ class MultiHeadAttention(nn.Module):
         context = context.transpose(1, 2)                   # (b, T, heads, head_dim)
         return context.reshape(b, num_tokens, heads * head_dim)
 
-    def _project(self,
-                 x:Tensor, # tokens, (b, num_tokens, d_in)
-                ) -> list: # queries, keys, values: (b, num_heads, num_tokens, head_dim)
+    def _qkv(self,
+             x:Tensor, # tokens, (b, num_tokens, d_in)
+            ) -> list: # queries, keys, values: (b, num_heads, num_tokens, head_dim)
         "Queries, keys and values of every token, each split into heads."
         projections = (self.W_query, self.W_key, self.W_value)
         return [self._split_heads(W(x)) for W in projections]  # each (b, h, T, hd)
+
+    def _project(self, x:Tensor) -> list: # what forward attends with
+        "`_qkv` as it is; later pages turn the queries and keys here (RoPE)."
+        return self._qkv(x)
 
     def extra_repr(self) -> str:
         "The sizes shown when the module is printed."

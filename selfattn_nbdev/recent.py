@@ -156,9 +156,7 @@ def _rope_table(self:LlamaAttention, num_positions:int, like:Tensor) -> tuple:
 @patch
 def _project(self:LlamaAttention, x:Tensor, positions:Tensor|None=None) -> tuple:
     "Queries, keys, values in heads; queries and keys normed, then turned."
-    queries = self._split_heads(self.W_query(x))       # (b, heads, T, head_dim)
-    keys = self._split_heads(self.W_key(x))            # (b, kv_heads, T, hd)
-    values = self._split_heads(self.W_value(x))        # (b, kv_heads, T, hd)
+    queries, keys, values = self._qkv(x)  # (b, heads, T, hd); (b, kv_heads, T, hd)
     if self.q_norm is not None:                        # QK-norm: each head
         queries, keys = self.q_norm(queries), self.k_norm(keys)
     if self.query_scale is not None:  # every kernel divides by sqrt(hd): undo it

@@ -7,7 +7,7 @@ CI has no GPU, so these run where one is lent (with bench/gpu.py):
 `SELFATTN_TEST_DEVICE=cpu` runs the same cases on the CPU (varlen, which is CUDA-only, skipped), which checks the
 tests themselves. The CPU tests of the CUDA logic (the kernel choice, varlen's packing, the CUDA-graph decode step)
 live beside the other tests; these run the real kernels."""
-import copy, os
+import contextlib, copy, os
 
 import pytest
 import torch
@@ -119,6 +119,28 @@ def test_compiled_decode_with_cuda_graphs_writes_the_eager_tokens():
     for a, b in zip(eager, compiled): assert torch.equal(a, b)
     again = generate(model, prompts, 12, compile=True if DEVICE == 'cuda' else dict(backend='eager'))
     for a, b in zip(eager, again): assert torch.equal(a, b)   # a second call replays, still right
+
+
+@pytest.mark.parametrize('family', ['GPT2', 'Llama'])
+def test_stacked_products_in_a_cuda_graph_write_the_separate_products_tokens(family):
+    "q, k, v (and gate, up) stacked and read through one view inside the CUDA graph: the tokens of three products."
+    from selfattn_nbdev.decoding import _decode_step, stacked
+    from selfattn_nbdev.pretrained import GPT2, Llama
+    torch.manual_seed(0)
+    model = (GPT2(vocab_size=64, context_length=64, d_model=64, num_heads=4, num_layers=2) if family == 'GPT2' else
+             Llama(64, 64, d_model=64, num_heads=4, num_layers=2, num_kv_heads=2, d_hidden=96))
+    model = model.to(DEVICE).eval()
+    prompt = torch.randint(0, 64, (1, 7), device=DEVICE)
+    step = _decode_step(model, True if DEVICE == 'cuda' else dict(backend='inductor', fullgraph=True))
+    def greedy(stack):
+        caches = model.new_caches(7 + 12)
+        with torch.no_grad(), (stacked(model) if stack else contextlib.nullcontext()):
+            ids = [model(prompt, caches)[:, -1].argmax(-1, keepdim=True)]
+            for _ in range(11): ids.append(step(ids[-1], caches)[:, -1].argmax(-1, keepdim=True))
+        return torch.cat(ids, 1)
+    assert torch.equal(greedy(True), greedy(False))
+    assert torch.equal(generate(model, prompt, 12, compile=True if DEVICE == 'cuda' else dict(backend='eager')),
+                       torch.cat([prompt, greedy(False)], 1))
 
 
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])

@@ -34,14 +34,27 @@ def test_packed_bench_runs_small_on_cpu(tmp_path):
     assert all(result['unpad'][f'training_{n}_s'] > 0 for n in ('padded', 'unpad', 'hand_written'))
 
 
+def gpu_decode_small(part: str, tmp_path) -> dict:
+    "Run bench/gpu_decode.py --small --part `part` here; what it wrote under `part`."
+    out = tmp_path / f'{part}.json'
+    subprocess.run([sys.executable, str(ROOT / 'bench' / 'gpu_decode.py'), '--small', '--part', part, '--out',
+                    str(out)], check=True, capture_output=True, timeout=300)
+    return json.loads(out.read_text())[part]
+
+
 @pytest.mark.slow
 def test_gpu_decode_graphs_part_runs_small_on_cpu(tmp_path):
     "bench/gpu_decode.py --part graphs --small: both ways of replaying the step write the same tokens."
-    out = tmp_path / 'graphs.json'
-    subprocess.run([sys.executable, str(ROOT / 'bench' / 'gpu_decode.py'), '--small', '--part', 'graphs', '--out',
-                    str(out)], check=True, capture_output=True, timeout=300)
-    graphs = json.loads(out.read_text())['graphs']
+    graphs = gpu_decode_small('graphs', tmp_path)
     assert graphs and all(r['same_tokens'] for r in graphs.values())
+
+
+@pytest.mark.slow
+def test_gpu_decode_stacked_part_runs_small_on_cpu(tmp_path):
+    "bench/gpu_decode.py --part stacked --small: separate and stacked products write the same tokens, both timed."
+    rows = gpu_decode_small('stacked', tmp_path)
+    assert len(rows) == 2 and all(r['same_tokens'] and 'error' not in r for r in rows.values())
+    assert all(r['separate step_ms'] > 0 and r['stacked step_ms'] > 0 for r in rows.values())
 
 
 @pytest.mark.slow

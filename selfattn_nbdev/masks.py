@@ -352,23 +352,35 @@ def varlen_runs(
 ) -> VarlenRuns|None: # None: a document comes back after another in its row
     "A run is a row's real tokens, or one document of a row."
     like = key_padding_mask if key_padding_mask is not None else document_ids
-    b, T = like.shape
+    (b, T), device = like.shape, like.device
     real = None if key_padding_mask is None else ~key_padding_mask   # (b, T)
-    names = [torch.arange(b, device=like.device)[:, None].expand(b, T)]  # the row
-    if document_ids is not None: names.append(document_ids)          # the document
-    names = [t.flatten() if real is None else t[real] for t in names]  # each (n,)
+    names = [torch.arange(b, device=device)[:, None].expand(b, T)]  # the row
+    if document_ids is not None: names.append(document_ids)      # the document
+    if real is None: names = [t.flatten() for t in names]        # each (n,)
+    else:  # the real tokens end to end: the host waits for their number
+        kept = real.flatten().nonzero().flatten()                  # (n,)
+        names = [t.flatten()[kept] for t in names]
     n = len(names[0])
-    starts = torch.zeros(n, dtype=torch.bool, device=like.device)
+    if n == 0: return VarlenRuns(real, torch.zeros(1, dtype=torch.int32,
+                                                     device=device), 0)
+    starts = torch.zeros(n, dtype=torch.bool, device=device)
     starts[:1] = True                                   # a run starts at a new name
     for t in names: starts[1:] |= t[1:] != t[:-1]
-    first = starts.nonzero().flatten()                  # (runs,): the GPU waits here
-    cu_seqlens = F.pad(first, (0, 1), value=n).to(torch.int32)  # stays on the device
-    on_host = torch.stack([first, *(t[first] for t in names)]).tolist()  # small
-    if len(set(zip(*on_host[1:]))) < len(first):
-        return None  # a document in two runs: varlen cannot say so
-    ends = on_host[0][1:] + [n]
-    return VarlenRuns(real, cu_seqlens, max((e - s for s, e in zip(on_host[0], ends)),
-                                            default=0))
+    run = starts.cumsum(0) - 1                          # (n,): each token's run
+    tokens = torch.arange(n, device=device)
+    slot = torch.where(starts, run, n + 1 + tokens)     # not a start: a slot past n
+    cu = torch.full((2 * n + 1,), n, device=device).scatter_(0, slot, tokens)
+    longest = (cu[1:n + 1] - cu[:n]).max()              # cu[:n + 1]: starts, then n
+    again = torch.zeros((), dtype=torch.long, device=device)
+    if document_ids is not None:  # a (row, document) that starts two runs
+        row = torch.where(starts, names[0], b)           # not a start: after all rows
+        order = names[1].argsort(stable=True)
+        order = order[row[order].argsort(stable=True)]   # by row, then by document
+        r, d = row[order], names[1][order]
+        again = ((r[1:] == r[:-1]) & (d[1:] == d[:-1]) & (r[1:] < b)).sum()
+    runs, longest, again = torch.stack([run[-1] + 1, longest, again]).tolist()
+    if again: return None  # a document in two runs: varlen cannot say so
+    return VarlenRuns(real, cu[:runs + 1].to(torch.int32), longest)  # waited once
 
 def _sdpa_by_run(
     q:Tensor, k:Tensor, v:Tensor, # packed (n, heads | kv_heads, head_dim)

@@ -53,6 +53,44 @@ def test_runs_are_the_predicate(seed, padded, docs):
     assert runs.longest == (int(lengths.max()) if len(lengths) else 0) and (lengths > 0).all()
 
 
+class CountWaits(torch.overrides.TorchFunctionMode):
+    "Counts the calls that bring a value from the device to the host (a CUDA GPU's queue drains at each)."
+    WAITS = {torch.Tensor.nonzero, torch.nonzero, torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__bool__,
+             torch.Tensor.__int__, torch.masked_select, torch.Tensor.masked_select}
+
+    def __init__(self):
+        super().__init__(); self.waits = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        boolean_index = func is torch.Tensor.__getitem__ and isinstance(args[1], torch.Tensor) and (
+            args[1].dtype == torch.bool)
+        self.waits += func in self.WAITS or boolean_index
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize('padded,docs,waits', [(False, True, 1), (True, False, 2), (True, True, 2)])
+def test_the_host_waits_once_for_documents_and_once_more_for_padding(padded, docs, waits):
+    pad, ids = _random_batch(3, 4, 64, padded, docs)
+    with CountWaits() as counted: runs = varlen_runs(pad, ids)
+    assert runs is not None and counted.waits == waits
+
+
+def test_edge_cases_of_the_runs():
+    "All padding: no run; the same document id in two rows: two runs; int32 ids; one token per run."
+    empty = varlen_runs(torch.ones(2, 5, dtype=torch.bool), torch.zeros(2, 5, dtype=torch.long))
+    assert empty.cu_seqlens.tolist() == [0] and empty.longest == 0
+    two_rows = varlen_runs(None, torch.zeros(2, 3, dtype=torch.int32))
+    assert two_rows.cu_seqlens.tolist() == [0, 3, 6] and two_rows.longest == 3
+    singles = varlen_runs(None, torch.arange(6).reshape(1, 6))
+    assert singles.cu_seqlens.tolist() == list(range(7)) and singles.longest == 1
+    pad = torch.tensor([[False, False, True, True], [False, True, True, True]])
+    back = torch.tensor([[5, 6, 5, 5], [1, 1, 1, 1]])  # 5 comes back only where it is padding: one run each
+    assert varlen_runs(pad, back).cu_seqlens.tolist() == [0, 1, 2, 3]
+    assert varlen_runs(None, back) is None               # unpadded, 5 comes back after 6
+    negative = varlen_runs(None, torch.tensor([[-3, -3, 2, 2, -1]]))
+    assert negative.cu_seqlens.tolist() == [0, 2, 4, 5]
+
+
 def test_a_document_in_two_runs_has_no_varlen_runs():
     ids = torch.tensor([[0, 0, 1, 1, 0], [2, 2, 2, 3, 3]])
     assert varlen_runs(None, ids) is None

@@ -520,13 +520,21 @@ def _attend_masked(self:MultiHeadAttention,
                                  self.causal, document_ids, runs)
         choice = ask(runs_only=False)  # a document in two runs (or too many)
     if choice != 'dense':   # FlexAttention: tiles skipped, no dense mask
-        form = ('window', self.window) if plain else ('batch', self.causal, self.window)
-        return flex_attend(queries, keys, values,
-                           self._mask_mod(key_padding_mask, document_ids), form,
-                           compiled=choice == 'flex',  # blocks share the batch's:
-                           reads=() if plain else (key_padding_mask, document_ids))
+        return self._attend_flex(queries, keys, values, key_padding_mask,
+                                 document_ids, compiled=choice == 'flex')
     allowed = self._allowed(num_tokens, num_tokens, key_padding_mask, document_ids)
     return self._attend_fused(queries, keys, values, allowed)  # SDPA, the dense mask
+
+@patch
+def _attend_flex(self:MultiHeadAttention, queries, keys, values, key_padding_mask,
+                 document_ids, compiled:bool, score_mod=None) -> Tensor: # (b,h,T,hd)
+    "FlexAttention with the module's predicate; the blocks share the batch's mask."
+    plain = key_padding_mask is None and document_ids is None
+    form = ('window', self.window) if plain else ('batch', self.causal, self.window)
+    return flex_attend(queries, keys, values,
+                       self._mask_mod(key_padding_mask, document_ids), form,
+                       compiled=compiled, score_mod=score_mod,
+                       reads=() if plain else (key_padding_mask, document_ids))
 
 # %% ../nbs/10_masks.ipynb #e3f2a6f4
 def _check_fits(

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from .core import check_flag, check_size, patch
-from .masks import flex_attend, pick_kernel
+from .masks import pick_kernel
 from .multihead import MultiHeadAttention
 from .modern import repeat_kv, rope_rotate
 
@@ -205,14 +205,11 @@ def _attend_scored(self:LlamaAttention, queries, keys, values, key_padding_mask=
         torch.float16, torch.bfloat16)
     choice = pick_kernel(queries.device.type, True, T, S, queries.requires_grad,
                          self.dropout.p if self.training else 0.0, half=half)
-    mask_mod = self._mask_mod(key_padding_mask, document_ids)
-    if self.sinks is None and mask_mod is not None and choice.startswith('flex'):
-        plain = key_padding_mask is None and document_ids is None
-        form = ('window', self.window) if plain else ('batch', self.causal, self.window)
-        return flex_attend(queries, keys, values, mask_mod, form,
-                           compiled=choice == 'flex',
-                           score_mod=soft_cap_mod(self.softcap),
-                           reads=() if plain else (key_padding_mask, document_ids))
+    masked = self._mask_mod(key_padding_mask, document_ids) is not None
+    if self.sinks is None and masked and choice.startswith('flex'):
+        return self._attend_flex(queries, keys, values, key_padding_mask, document_ids,
+                                 compiled=choice == 'flex',
+                                 score_mod=soft_cap_mod(self.softcap))
     allowed = self._allowed(T, S, key_padding_mask, document_ids)
     return self._attend_explicit(queries, keys, values, allowed)[0]
 

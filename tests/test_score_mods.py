@@ -116,10 +116,10 @@ CASES = {'causal': {}, 'window': dict(window=5)}
 @pytest.mark.parametrize('batch', ['plain', 'padding', 'documents'])
 def test_llama_cap_goes_to_flex_score_mod_and_agrees(case, batch, monkeypatch):
     "The fused path hands the cap to FlexAttention (uncompiled here) and gets the explicit path's numbers."
-    import selfattn_nbdev.recent as recent
+    import selfattn_nbdev.masks as masks
     seen = []
-    real = recent.flex_attend
-    monkeypatch.setattr(recent, 'flex_attend', lambda *a, **kw: seen.append(kw['score_mod']) or real(*a, **kw))
+    real = masks.flex_attend
+    monkeypatch.setattr(masks, 'flex_attend', lambda *a, **kw: seen.append(kw['score_mod']) or real(*a, **kw))
     m = layer(softcap=3.0, query_scale=0.3, **CASES[case])
     x = torch.randn(2, 11, 32, dtype=torch.float64)
     kw = {}

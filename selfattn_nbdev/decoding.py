@@ -7,7 +7,7 @@ __all__ = ['DECODE_MIN_BOUND', 'decode_bound', 'StaticKVCache', 'stack_weights',
            'generate']
 
 # %% ../nbs/07_batches.ipynb #312f198d
-import time, weakref
+import collections, threading, time
 from contextlib import contextmanager
 
 import torch
@@ -158,6 +158,13 @@ def new_caches(self:TinyGPT,
     return [StaticKVCache(capacity, pads) for _ in self.blocks]
 
 # %% ../nbs/07_batches.ipynb #8504e33e
+def _plain(linear:nn.Module) -> bool:
+    "An `nn.Linear` itself, whose call is F.linear: no subclass, parametrization, hook."
+    hooks = nn.modules.module
+    return (type(linear) is nn.Linear and not linear._forward_hooks
+            and not linear._forward_pre_hooks and not hooks._global_forward_hooks
+            and not hooks._global_forward_pre_hooks)
+
 def _end_to_end(
     tensors:list, # the weights (or biases) of linears that read one input
 ) -> bool: # True if each follows the last in one storage, all plain and contiguous
@@ -173,72 +180,53 @@ def _end_to_end(
         address += t.numel() * t.element_size()
     return True
 
+def _lie_stacked(linears) -> bool:
+    "Whether one product may stand for `linears` now: plain, and end to end."
+    return (all(_plain(l) for l in linears)
+            and _end_to_end([l.weight for l in linears])
+            and (linears[0].bias is None or _end_to_end([l.bias for l in linears])))
+
 def stack_weights(
     *linears:nn.Linear, # linears that read the same input
 ) -> bool: # True if they lie end to end now; False: left as they were
     "Lay the weights (and biases) of `linears` end to end in one storage."
     weights, biases = [l.weight for l in linears], [l.bias for l in linears]
-    kinds = {(w.dtype, w.device, w.shape[1], b is None)
+    kinds = {(w.dtype, w.device, w.shape[-1], b is None)
              for w, b in zip(weights, biases)}
-    if len(kinds) > 1 or any(type(w) is not nn.Parameter or type(w.data) is not Tensor
-                             or w.is_meta for w in weights):  # sharded, meta: as is
+    if (len(kinds) > 1 or len({id(w) for w in weights}) < len(weights)  # tied
+            or not all(_plain(l) for l in linears)
+            or any(type(w) is not nn.Parameter or type(w.data) is not Tensor
+                   or w.is_meta or w.dim() != 2 for w in weights)):  # sharded, meta
         return False
     for tensors in (weights, biases if biases[0] is not None else []):
         if not tensors or _end_to_end(tensors): continue
-        with torch.no_grad(): whole = torch.cat([t.detach() for t in tensors])
-        start = 0
-        for t in tensors:  # the same Parameter, now a view of `whole`
-            t.data = whole[start:start + len(t)]; start += len(t)
+        with torch.inference_mode(False), torch.no_grad():  # ordinary tensors
+            whole = torch.cat([t.detach() for t in tensors])
+            start = 0
+            for t in tensors:  # the same Parameter, now a view of `whole`
+                t.data = whole[start:start + len(t)]; start += len(t)
     return True
 
-def _spanning(tensors:list) -> Tensor: # one view over the stack, (rows, ...)
-    "The view of the storage of `tensors` (end to end) that spans them all."
-    first, rows = tensors[0], sum(len(t) for t in tensors)
-    return first.detach().as_strided((rows, *first.shape[1:]), first.stride())
+def _groups(model:nn.Module) -> list: # [linears, ...]: each group named once
+    "The groups of linears the modules of `model` name in `stacked_linears`."
+    groups = [[getattr(m, name) for name in names] for m in model.modules()
+              for names in getattr(m, 'stacked_linears', ())]
+    counts = collections.Counter(id(l.weight) for g in groups for l in g)
+    return [g for g in groups if all(counts[id(l.weight)] == 1 for l in g)]
 
-def _stack_holds(
-    linears:list, # a group that `stacked` stacked
-) -> bool: # True if its buffers are still what the parameters are made of
-    "Whether the linears' parameters are still views of the first's stack."
-    first = linears[0]
-    W, b = first._buffers.get('_stack_weight'), first._buffers.get('_stack_bias')
-    return (W is not None and W.data_ptr() == first.weight.data_ptr()
-            and _end_to_end([l.weight for l in linears])
-            and (b is None or (b.data_ptr() == first.bias.data_ptr()
-                               and _end_to_end([l.bias for l in linears]))))
-
-_FIRST = weakref.WeakKeyDictionary()  # a stacked linear -> the first of its group
-
-def _drop_stack(
-    module:nn.Module, name:str|None=None, param=None, # a linear; the hook's rest
-) -> None:
-    "Forget the stack of `module`'s group: on leaving `stacked`, or when replaced."
-    first = _FIRST.get(module)
-    if first is None: return
-    for buffer in ('_stack_weight', '_stack_bias'): first._buffers.pop(buffer, None)
-
-# a parameter assigned anew (load_state_dict(assign=True), linear.weight = ...)
-# ends its group's stack, so that no compiled step reads the old one
-nn.modules.module.register_module_parameter_registration_hook(_drop_stack)
+_holding = threading.Lock()  # `stacked` counts its holders under it
 
 @contextmanager
 def stacked(model:nn.Module): # the model whose linears are stacked in the block
     "Within the block, each group its modules name in `stacked_linears` is one product."
-    made = []
-    for module in model.modules():
-        for names in getattr(module, 'stacked_linears', ()):
-            linears = [getattr(module, name) for name in names]
-            if _stack_holds(linears) or not stack_weights(*linears): continue
-            first, biases = linears[0], [l.bias for l in linears]
-            W = _spanning([l.weight for l in linears])     # (rows, d_in): no copy
-            b = None if first.bias is None else _spanning(biases)
-            first.register_buffer('_stack_weight', W, persistent=False)
-            first.register_buffer('_stack_bias', b, persistent=False)
-            for linear in linears: _FIRST[linear] = first
-            made.append(first)
+    with _holding:
+        firsts = [g[0] for g in _groups(model) if stack_weights(*g)]
+        for first in firsts:  # held by this block (and any other holding it)
+            first.__dict__['_stacked'] = first.__dict__.get('_stacked', 0) + 1
     try: yield model
     finally:
-        for first in made: _drop_stack(first)
+        with _holding:
+            for first in firsts: first.__dict__['_stacked'] -= 1
 
 # %% ../nbs/07_batches.ipynb #31cad55a
 def project(
@@ -247,12 +235,16 @@ def project(
 ) -> list: # x W_i^T + b_i for each linear i, (..., out_i)
     "Each linear applied to `x`: in one product when `stacked` has stacked them."
     first = linears[0]
-    W = getattr(first, '_stack_weight', None)                 # [W_q; W_k; W_v]
-    if (W is None or torch.is_grad_enabled() or not
-            (torch.compiler.is_compiling() or _stack_holds(linears))):
-        return [linear(x) for linear in linears]
+    marks = first.__dict__  # set by stacked, and by a compiled step's host
+    one = not torch.is_grad_enabled() and (
+        marks.get('_stack_checked', False) if torch.compiler.is_compiling()
+        else marks.get('_stacked', 0) > 0 and _lie_stacked(linears))
+    if not one: return [linear(x) for linear in linears]
     sizes = [linear.out_features for linear in linears]
-    return F.linear(x, W, first._stack_bias).split(sizes, dim=-1)  # (..., out_i)
+    rows, width = sum(sizes), first.in_features
+    W = first.weight.as_strided((rows, width), (width, 1))    # [W_q; W_k; W_v]
+    b = None if first.bias is None else first.bias.as_strided((rows,), (1,))
+    return F.linear(x, W, b).split(sizes, dim=-1)               # (..., out_i)
 
 MultiHeadAttention.stacked_linears = (('W_query', 'W_key', 'W_value'),)  # see stacked
 
@@ -303,16 +295,23 @@ def _decode_step(
     config, name = torch._dynamo.config, 'recompile_limit'
     if not hasattr(config, name): name = 'cache_size_limit'  # its name before torch 2.7
     bounds = set()  # those compiled so far: a new one compiles with room for 32 graphs
+    groups = _groups(model)
     def step(token_ids, caches):  # the host counts the tokens and sets each bound
         bound = None
         for cache in caches or ():
             cache.num_seen += token_ids.shape[1]
             cache.bound = bound = decode_bound(cache.num_seen, cache.capacity)
+        for g in groups:  # a stack the step may read: checked now, on the host
+            g[0].__dict__['_stack_checked'] = (g[0].__dict__.get('_stacked', 0) > 0
+                                               and _lie_stacked(g))
         if graphs: torch.compiler.cudagraph_mark_step_begin()  # a CUDA graph per step
-        if bound in bounds: return compiled(token_ids, caches)
-        bounds.add(bound)
-        with config.patch(**{name: max(getattr(config, name), 32)}):
-            return compiled(token_ids, caches)
+        try:
+            if bound in bounds: return compiled(token_ids, caches)
+            bounds.add(bound)
+            with config.patch(**{name: max(getattr(config, name), 32)}):
+                return compiled(token_ids, caches)
+        finally:
+            for g in groups: g[0].__dict__['_stack_checked'] = False
     return step
 
 # %% ../nbs/07_batches.ipynb #d2fc0210

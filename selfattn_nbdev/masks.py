@@ -352,6 +352,10 @@ def varlen_runs(
 ) -> VarlenRuns|None: # None: a document comes back after another in its row
     "A run is a row's real tokens, or one document of a row."
     like = key_padding_mask if key_padding_mask is not None else document_ids
+    shapes = {tuple(t.shape) for t in (key_padding_mask, document_ids) if t is not None}
+    if like.dim() != 2 or len(shapes) > 1:
+        raise ValueError(f"key_padding_mask and document_ids must be (b, T), of one "
+                         f"shape; got shapes {sorted(shapes)}")
     (b, T), device = like.shape, like.device
     real = None if key_padding_mask is None else ~key_padding_mask   # (b, T)
     names = [torch.arange(b, device=device)[:, None].expand(b, T)]  # the row

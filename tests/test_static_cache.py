@@ -191,6 +191,7 @@ def test_the_cuda_decode_step_is_a_cuda_graph(monkeypatch):
     class OnCuda:
         "Stands for a model whose weights are on a CUDA device."
         def parameters(self): return iter([type('P', (), {'device': torch.device('cuda')})()])
+        def modules(self): return iter([self])               # no linears to stack
         def __call__(self, token_ids, caches): return 'logits'
 
     step = gen._decode_step(OnCuda(), True)

@@ -91,6 +91,12 @@ def test_edge_cases_of_the_runs():
     assert negative.cu_seqlens.tolist() == [0, 2, 4, 5]
 
 
+@pytest.mark.parametrize('ids_shape', [(2, 5), (3, 4), (4,), (1, 4)])
+def test_padding_and_documents_of_different_shapes_are_refused(ids_shape):
+    with pytest.raises(ValueError, match=r'one shape; got shapes'):
+        varlen_runs(torch.zeros(2, 4, dtype=torch.bool), torch.zeros(ids_shape, dtype=torch.long))
+
+
 def test_a_document_in_two_runs_has_no_varlen_runs():
     ids = torch.tensor([[0, 0, 1, 1, 0], [2, 2, 2, 3, 3]])
     assert varlen_runs(None, ids) is None

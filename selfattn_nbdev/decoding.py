@@ -295,15 +295,19 @@ def _decode_step(
     config, name = torch._dynamo.config, 'recompile_limit'
     if not hasattr(config, name): name = 'cache_size_limit'  # its name before torch 2.7
     bounds = set()  # those compiled so far: a new one compiles with room for 32 graphs
-    groups = _groups(model)
+    groups, seen = _groups(model), {}  # seen: the addresses each stack was found at
+    def holds(i, g):  # in full when the addresses moved, else its linears only
+        if not g[0].__dict__.get('_stacked', 0) or not all(map(_plain, g)): return False
+        at = [p.data_ptr() for l in g for p in (l.weight, l.bias) if p is not None]
+        if seen.get(i) != at: seen[i] = at if _lie_stacked(g) else None
+        return seen[i] is not None
     def step(token_ids, caches):  # the host counts the tokens and sets each bound
         bound = None
         for cache in caches or ():
             cache.num_seen += token_ids.shape[1]
             cache.bound = bound = decode_bound(cache.num_seen, cache.capacity)
-        for g in groups:  # a stack the step may read: checked now, on the host
-            g[0].__dict__['_stack_checked'] = (g[0].__dict__.get('_stacked', 0) > 0
-                                               and _lie_stacked(g))
+        for i, g in enumerate(groups):  # a stack the step may read: checked now
+            g[0].__dict__['_stack_checked'] = holds(i, g)
         if graphs: torch.compiler.cudagraph_mark_step_begin()  # a CUDA graph per step
         try:
             if bound in bounds: return compiled(token_ids, caches)

@@ -208,6 +208,22 @@ def test_the_compiled_decode_step_reads_the_stack_and_only_it():
     assert not any(model.blocks[0].attn.W_query.__dict__.get('_stack_checked', False) for _ in [0])
 
 
+def test_the_compiled_decode_step_checks_the_stack_before_every_step():
+    "A weight moved out of the stack between two steps is caught by the host's check: the model as it now is."
+    from selfattn_nbdev.decoding import _decode_step
+    torch.manual_seed(0)
+    model = _randomised(TinyGPT(37, 64, d_model=32, num_heads=4, num_layers=2))
+    prompt = torch.randint(0, 37, (1, 5))
+    step = _decode_step(model, dict(backend='aot_eager', fullgraph=True))
+    caches, reference = model.new_caches(16), model.new_caches(16)
+    with stacked(model), torch.no_grad():
+        ids = model(prompt, caches)[:, -1].argmax(-1, keepdim=True)
+        model(prompt, reference)
+        assert (step(ids, caches) - model(ids, reference)).abs().max() < 1e-12
+        model.blocks[1].attn.W_key.weight.data = torch.randn(32, 32, dtype=torch.float64)  # out of the stack
+        assert (step(ids, caches) - model(ids, reference)).abs().max() < 1e-12
+
+
 def test_generate_under_inference_mode_leaves_a_model_that_trains():
     model = TinyGPT(37, 64, d_model=32, num_heads=4, num_layers=1)
     with torch.inference_mode(): generate(model, torch.randint(0, 37, (1, 4)), 3)

@@ -191,8 +191,8 @@ def stack_weights(
 ) -> bool: # True if they lie end to end now; False: left as they were
     "Lay the weights (and biases) of `linears` end to end in one storage."
     weights, biases = [l.weight for l in linears], [l.bias for l in linears]
-    kinds = {(w.dtype, w.device, w.shape[-1], b is None)
-             for w, b in zip(weights, biases)}
+    kinds = {(w.dtype, w.device, w.shape[-1], b is None or (b.dtype, b.device))
+             for w, b in zip(weights, biases)}  # one dtype each, or cat would cast
     if (len(kinds) > 1 or len({id(w) for w in weights}) < len(weights)  # tied
             or not all(_plain(l) for l in linears)
             or any(type(w) is not nn.Parameter or type(w.data) is not Tensor

@@ -263,6 +263,8 @@ def test_what_cannot_be_stacked_is_left_as_it_was():
     assert not stack_weights(a, c)                                   # different dtypes
     d = nn.Linear(4, 3, bias=False)
     assert not stack_weights(a, d)                                   # one biased, one not
+    f = nn.Linear(4, 3); f.bias = nn.Parameter(f.bias.detach().double())
+    assert not stack_weights(a, f) and f.bias.dtype == torch.float64  # biases of two dtypes
     with torch.device('meta'): m1, m2 = nn.Linear(4, 3), nn.Linear(4, 3)
     assert not stack_weights(m1, m2)                                 # nothing to copy
     x = torch.randn(2, 4)

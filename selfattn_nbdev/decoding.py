@@ -180,11 +180,14 @@ def _end_to_end(
         address += t.numel() * t.element_size()
     return True
 
+def _laid_out(linears) -> bool:
+    "Whether the weights, and biases if any, of `linears` lie end to end."
+    return (_end_to_end([l.weight for l in linears])
+            and (linears[0].bias is None or _end_to_end([l.bias for l in linears])))
+
 def _lie_stacked(linears) -> bool:
     "Whether one product may stand for `linears` now: plain, and end to end."
-    return (all(_plain(l) for l in linears)
-            and _end_to_end([l.weight for l in linears])
-            and (linears[0].bias is None or _end_to_end([l.bias for l in linears])))
+    return all(map(_plain, linears)) and _laid_out(linears)
 
 def stack_weights(
     *linears:nn.Linear, # linears that read the same input
@@ -299,7 +302,7 @@ def _decode_step(
     def holds(i, g):  # in full when the addresses moved, else its linears only
         if not g[0].__dict__.get('_stacked', 0) or not all(map(_plain, g)): return False
         at = [p.data_ptr() for l in g for p in (l.weight, l.bias) if p is not None]
-        if seen.get(i) != at: seen[i] = at if _lie_stacked(g) else None
+        if seen.get(i) != at: seen[i] = at if _laid_out(g) else None
         return seen[i] is not None
     def step(token_ids, caches):  # the host counts the tokens and sets each bound
         bound = None

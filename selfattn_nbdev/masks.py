@@ -531,12 +531,13 @@ def _attend_masked(self:MultiHeadAttention,
 
 @patch
 def _attend_flex(self:MultiHeadAttention, queries, keys, values, key_padding_mask,
-                 document_ids, compiled:bool, score_mod=None) -> Tensor: # (b,h,T,hd)
+                 document_ids, compiled:bool, score_mod=None,
+                 mask_mod=None) -> Tensor: # (b, h, T, hd); mask_mod: if built already
     "FlexAttention with the module's predicate; the blocks share the batch's mask."
     plain = key_padding_mask is None and document_ids is None
     form = ('window', self.window) if plain else ('batch', self.causal, self.window)
-    return flex_attend(queries, keys, values,
-                       self._mask_mod(key_padding_mask, document_ids), form,
+    if mask_mod is None: mask_mod = self._mask_mod(key_padding_mask, document_ids)
+    return flex_attend(queries, keys, values, mask_mod, form,
                        compiled=compiled, score_mod=score_mod,
                        reads=() if plain else (key_padding_mask, document_ids))
 

@@ -205,10 +205,10 @@ def _attend_scored(self:LlamaAttention, queries, keys, values, key_padding_mask=
         torch.float16, torch.bfloat16)
     choice = pick_kernel(queries.device.type, True, T, S, queries.requires_grad,
                          self.dropout.p if self.training else 0.0, half=half)
-    masked = self._mask_mod(key_padding_mask, document_ids) is not None
-    if self.sinks is None and masked and choice.startswith('flex'):
+    mask_mod = self._mask_mod(key_padding_mask, document_ids)
+    if self.sinks is None and mask_mod is not None and choice.startswith('flex'):
         return self._attend_flex(queries, keys, values, key_padding_mask, document_ids,
-                                 compiled=choice == 'flex',
+                                 compiled=choice == 'flex', mask_mod=mask_mod,
                                  score_mod=soft_cap_mod(self.softcap))
     allowed = self._allowed(T, S, key_padding_mask, document_ids)
     return self._attend_explicit(queries, keys, values, allowed)[0]

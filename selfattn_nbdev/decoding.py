@@ -283,6 +283,29 @@ def _batch_prompts(
     return token_ids, (pads if pads.any() else None)
 
 # %% ../nbs/07_batches.ipynb #3cc3182d
+_GRAPH_ROOM = 32  # the graphs a decode step may add to those of its forward
+
+def _room_full() -> type: # the error of a fullgraph compile past Dynamo's limit
+    exc = torch._dynamo.exc  # named FailOnCacheLimitHit before torch 2.7
+    return getattr(exc, 'FailOnRecompileLimitHit', None) or exc.FailOnCacheLimitHit
+
+def _limit_name() -> str: # Dynamo's limit on the graphs of one function
+    "Its name since torch 2.7; before, `cache_size_limit`."
+    config = torch._dynamo.config
+    if hasattr(config, 'recompile_limit'): return 'recompile_limit'
+    return 'cache_size_limit'
+
+def _with_room(fn, *args): # Dynamo counts the graphs of every model of the class:
+    "Call `fn` with room for _GRAPH_ROOM more graphs, doubled while others fill it."
+    config, name = torch._dynamo.config, _limit_name()
+    room = max(getattr(config, name), _GRAPH_ROOM)
+    while True:
+        try:
+            with config.patch(**{name: room}): return fn(*args)
+        except _room_full():
+            if room >= 32 * _GRAPH_ROOM: raise  # a graph per step: a bug, not room
+            room *= 2
+
 def _decode_step(
     model:nn.Module, # the model to call for one new token per row
     compile, # False, True, or a dict of torch.compile options
@@ -295,9 +318,7 @@ def _decode_step(
     if compile is True and device.type == 'cuda': options['mode'] = 'reduce-overhead'
     compiled = torch.compile(model, **options)
     graphs = options.get('mode') == 'reduce-overhead'
-    config, name = torch._dynamo.config, 'recompile_limit'
-    if not hasattr(config, name): name = 'cache_size_limit'  # its name before torch 2.7
-    bounds = set()  # those compiled so far: a new one compiles with room for 32 graphs
+    bounds = set()  # those compiled so far: a new one compiles with room for more
     groups, seen = _groups(model), {}  # seen: the addresses each stack was found at
     def holds(i, g):  # in full when the addresses moved, else its linears only
         if not g[0].__dict__.get('_stacked', 0) or not all(map(_plain, g)): return False
@@ -313,10 +334,11 @@ def _decode_step(
             g[0].__dict__['_stack_checked'] = holds(i, g)
         if graphs: torch.compiler.cudagraph_mark_step_begin()  # a CUDA graph per step
         try:
-            if bound in bounds: return compiled(token_ids, caches)
+            if bound in bounds:
+                try: return compiled(token_ids, caches)
+                except _room_full(): pass  # other models' graphs fill the room
             bounds.add(bound)
-            with config.patch(**{name: max(getattr(config, name), 32)}):
-                return compiled(token_ids, caches)
+            return _with_room(compiled, token_ids, caches)
         finally:
             for g in groups: g[0].__dict__['_stack_checked'] = False
     return step

@@ -28,6 +28,7 @@ from .core import (check_count, check_size, check_token_ids, check_tokens,
 from .causal import check_context
 from .multihead import MultiHeadAttention
 from .generation import TinyGPT, TransformerBlock, _check_cache
+from .decoding import _limit_name
 
 # %% ../nbs/10_masks.ipynb #m19c0007
 def causal(b, h, q_idx, kv_idx):
@@ -281,9 +282,7 @@ FLEX_RECOMPILE_LIMIT = 64  # compilations kept: mask forms x shapes x dtypes
 def _room(compiled:bool): # a context for the compiled calls
     "Room for many compilations: past the default 8, torch runs the uncompiled code."
     if not compiled or torch.compiler.is_compiling(): return contextlib.nullcontext()
-    config = torch._dynamo.config
-    name = 'recompile_limit'  # its name since torch 2.7; before: cache_size_limit
-    if not hasattr(config, name): name = 'cache_size_limit'
+    config, name = torch._dynamo.config, _limit_name()
     # a patch of torch's config holds in this thread only: each thread makes its room
     return config.patch(**{name: max(getattr(config, name), FLEX_RECOMPILE_LIMIT)})
 
@@ -583,16 +582,17 @@ def forward(self:MultiHeadAttention,
     elif self.rope and document_ids is not None:  # each document starts again at 0
         positions = document_positions(document_ids)                  # (b, T)
     queries, keys, values = self._project(x, positions)  # (b, heads | kv, T, hd)
-    if cache is None and not return_attn_weights:  # a whole sequence, fused
-        context = self._attend_masked(queries, keys, values, key_padding_mask,
-                                      document_ids)
-        out = self.out_proj(self._merge_heads(context))          # (b, T, d_out)
-        return out[0] if unbatched else out
     if cache is not None:  # the keys in reach, and the cache's own mask
         keys, values, allowed = cache.update(keys, values, self)
-    else: allowed = self._allowed(num_tokens, num_tokens, key_padding_mask,
-                                  document_ids)
-    return self._finish(queries, keys, values, allowed, return_attn_weights, unbatched)
+    if not return_attn_weights:  # fused; a cache's mask leaves each query a key
+        context = (self._attend_fused(queries, keys, values, allowed, every_row=True)
+                   if cache is not None else self._attend_masked(
+                       queries, keys, values, key_padding_mask, document_ids))
+        out = self.out_proj(self._merge_heads(context))          # (b, T, d_out)
+        return out[0] if unbatched else out
+    if cache is None:
+        allowed = self._allowed(num_tokens, num_tokens, key_padding_mask, document_ids)
+    return self._finish(queries, keys, values, allowed, True, unbatched)
 
 # %% ../nbs/10_masks.ipynb #15ed15b8
 @patch

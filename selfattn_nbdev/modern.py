@@ -224,6 +224,7 @@ def _attend_fused(self:MultiHeadAttention,
                   keys:Tensor,    # (b, num_kv_heads, num_keys, head_dim)
                   values:Tensor,  # (b, num_kv_heads, num_keys, head_dim)
                   allowed:Tensor|None=None, # (b | 1, 1, T, keys); None: _allowed
+                  every_row:bool=False, # each query sees a key (a cache's mask)
                  ) -> Tensor: # context, (b, num_heads, num_tokens, head_dim)
     "The same in one call of PyTorch's fused kernel, which returns no weights."
     dropout_p = self.dropout.p if self.training else 0.0
@@ -234,6 +235,7 @@ def _attend_fused(self:MultiHeadAttention,
     if allowed is None and plain and (not self.causal or num_tokens == num_keys):
         return kernel(queries, keys, values, is_causal=self.causal)  # no mask
     if allowed is None: allowed = self._allowed(num_tokens, num_keys)
+    if every_row: return kernel(queries, keys, values, attn_mask=allowed)  # no check
     dead = ~allowed.any(-1, keepdim=True)     # (b, 1, T, 1): a query with no key
     context = kernel(queries, keys, values, attn_mask=allowed | dead)  # True = attend
     return context.masked_fill(dead, 0.0)

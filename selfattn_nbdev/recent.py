@@ -214,10 +214,12 @@ def _attend_scored(self:LlamaAttention, queries, keys, values, key_padding_mask=
     return self._attend_explicit(queries, keys, values, allowed)[0]
 
 @patch
-def _attend_fused(self:LlamaAttention, queries, keys, values, allowed=None):
+def _attend_fused(self:LlamaAttention, queries, keys, values, allowed=None,
+                  every_row=False):
     "SDPA; with a cap or sinks, _attend_scored (a cache's own mask: explicit)."
     if self.softcap is None and self.sinks is None:
-        return MultiHeadAttention._attend_fused(self, queries, keys, values, allowed)
+        return MultiHeadAttention._attend_fused(self, queries, keys, values, allowed,
+                                                every_row)
     if allowed is not None:
         return self._attend_explicit(queries, keys, values, allowed)[0]
     return self._attend_scored(queries, keys, values)

@@ -27,7 +27,7 @@ def test_static_cache_gives_attention_only_the_written_columns(window):
     x = torch.randn(2, 12, 8, dtype=torch.float64)
     seen = []
     real = attn._attend_fused
-    attn._attend_fused = lambda q, k, v, allowed=None: seen.append(k.shape[2]) or real(q, k, v, allowed)
+    attn._attend_fused = lambda q, k, v, allowed=None, **kw: seen.append(k.shape[2]) or real(q, k, v, allowed, **kw)
     cache = StaticKVCache(capacity=4096)
     with torch.no_grad():
         steps = torch.cat([attn(x[:, :5], cache=cache)] + [attn(x[:, i:i + 1], cache=cache) for i in range(5, 12)], 1)
@@ -67,6 +67,45 @@ def test_compiled_step_counts_on_the_host_and_reads_its_bound():
         step(torch.tensor([[3]]), caches)
     assert all(c.num_seen == 251 and c.bound == 256 for c in caches)
 
+
+
+def _traced_step(model, prompt):
+    "The ATen graph of one compiled decode step (backend aot_eager: the graph, no kernels)."
+    from torch._dynamo.backends.common import aot_autograd
+    graphs = []
+    def keep(gm, example_inputs): graphs.append(gm); return gm.forward
+    step = _decode_step(model, dict(backend=aot_autograd(fw_compiler=keep), fullgraph=True, dynamic=False))
+    caches = model.new_caches(prompt.shape[1] + 4)
+    with torch.no_grad():
+        ids = model(prompt, caches)[:, -1].argmax(-1, keepdim=True)
+        logits = step(ids, caches)
+    return graphs[-1].graph, logits, caches
+
+
+@pytest.mark.parametrize('window', [None, 3])
+def test_a_cached_step_attends_without_looking_for_empty_rows(window):
+    """A cache's mask leaves every query a key (a padding query sees itself), so the decode step skips the search
+    for queries with no key: no `any` over the keys and no `masked_fill` after SDPA, in any block."""
+    torch.manual_seed(0)
+    model = TinyGPT(37, 64, d_model=32, num_heads=4, num_layers=3, window=window).double().eval()
+    prompt = torch.randint(0, 37, (2, 5))
+    graph, logits, caches = _traced_step(model, prompt)
+    ops = [str(n.target) for n in graph.nodes if n.op == 'call_function']
+    assert sum('sdpa' in o or 'scaled_dot_product' in o for o in ops) == 3    # one attention per block, traced
+    assert not [o for o in ops if o.startswith('aten.any') or o.startswith('aten.masked_fill')]
+    reference = model.new_caches(prompt.shape[1] + 4)
+    with torch.no_grad():
+        ids = model(prompt, reference)[:, -1].argmax(-1, keepdim=True)
+        assert (logits - model(ids, reference)).abs().max() < 1e-12   # the same logits as eager's
+
+
+def test_a_module_without_a_cache_still_zeros_a_query_with_no_key():
+    "Without a cache, a padding query sees no key: the check stays there, and its context is 0, not NaN."
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(8, 8, 16, num_heads=2).double().eval()
+    x, pad = torch.randn(1, 1, 8, dtype=torch.float64), torch.ones(1, 1, dtype=torch.bool)
+    with torch.no_grad(): context = attn._attend_fused(*attn._project(x), attn._allowed(1, 1, pad))
+    assert torch.equal(context, torch.zeros_like(context))
 
 @pytest.mark.parametrize('num_splits', [1, 2, 7, 64, 5000])
 @pytest.mark.parametrize('T', [1, 3])

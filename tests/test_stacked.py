@@ -224,6 +224,30 @@ def test_the_compiled_decode_step_checks_the_stack_before_every_step():
         assert (step(ids, caches) - model(ids, reference)).abs().max() < 1e-12
 
 
+
+def test_the_decode_step_makes_room_for_its_graphs_when_other_models_filled_it(monkeypatch):
+    """Dynamo counts the graphs of every model that shares a forward against one limit. A step that needs a new graph
+    (a new bound, or a weight moved out of its stack) still compiles when other models' graphs fill the limit: it
+    retries with more room (doubling from _GRAPH_ROOM), where it used to fail with fullgraph=True."""
+    from selfattn_nbdev import decoding
+    monkeypatch.setattr(decoding, '_GRAPH_ROOM', 1)             # so the doubling runs, not only the first room
+    options = dict(backend='aot_eager', fullgraph=True, dynamic=False)
+    torch.manual_seed(0)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for d_model in (16, 24):                                # other models of the class, other graphs
+            generate(TinyGPT(37, 64, d_model=d_model, num_heads=4, num_layers=1).eval(),
+                     torch.randint(0, 37, (1, 4)), 3, compile=options)
+        model = _randomised(TinyGPT(37, 64, d_model=32, num_heads=4, num_layers=2))
+        prompt = torch.randint(0, 37, (1, 5))
+        step = decoding._decode_step(model, options)
+        caches, reference = model.new_caches(16), model.new_caches(16)
+        with stacked(model), torch.no_grad():
+            ids = model(prompt, caches)[:, -1].argmax(-1, keepdim=True)
+            model(prompt, reference)
+            assert (step(ids, caches) - model(ids, reference)).abs().max() < 1e-12
+            model.blocks[1].attn.W_key.weight.data = torch.randn(32, 32, dtype=torch.float64)  # a new graph
+            assert (step(ids, caches) - model(ids, reference)).abs().max() < 1e-12
+
 def test_generate_under_inference_mode_leaves_a_model_that_trains():
     model = TinyGPT(37, 64, d_model=32, num_heads=4, num_layers=1)
     with torch.inference_mode(): generate(model, torch.randint(0, 37, (1, 4)), 3)

@@ -20,7 +20,8 @@ Parts (each written to the JSON as soon as it is measured, so a run cut short ke
   For GPT-2 and the Llama-1B shape, torch.profiler then records the CUDA time by kernel over 20 compiled steps.
 - `stacked`: for each shape, the compiled step with q, k, v (and Llama's gate and up) as separate products and as
   one product each (`stacked`, which `generate` holds), the same weights, in one run; the ratio of their steps and
-  whether they write the same tokens. The other parts run stacked, as `generate` does. With `--cpu`, the real shapes
+  whether they write the same tokens; then torch.profiler over 20 stacked steps: how many kernels a step runs and
+  their time, and the 12 longest. The other parts run stacked, as `generate` does. With `--cpu`, the real shapes
   run on the CPU in float32, compiled by inductor, 64 new tokens.
 - `capacity`: the Llama-1B shape, 1,024 tokens in the cache, a compiled step at capacity 1,088 and at 32,768.
 - `graphs`: where the time between kernels goes. For GPT-2 and the Llama-1B shape, the same compiled step two ways,
@@ -135,8 +136,11 @@ def profile_steps(step_fn, model, prompt, new, device, steps=20) -> list:
     events = [e for e in prof.key_averages() if getattr(e, key, 0) > 0]
     rows = sorted(events, key=lambda e: getattr(e, key, 0), reverse=True)[:12]
     print(prof.key_averages().table(sort_by=key, row_limit=12), flush=True)
-    return [dict(name=e.key[:90], calls_per_step=e.count / steps, us_per_step=getattr(e, key, 0) / steps)
-            for e in rows]
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    every = [dict(name='every CUDA kernel', calls_per_step=len(kernels) / steps,
+                  us_per_step=sum(e.time_range.elapsed_us() for e in kernels) / steps)] if kernels else []
+    return every + [dict(name=e.key[:90], calls_per_step=e.count / steps,
+                         us_per_step=getattr(e, key, 0) / steps) for e in rows]
 
 
 def decode_loop(model, step_fn, prompt, caches, new, device, stack=True):
@@ -175,7 +179,7 @@ def decode_part(shapes, device, dtype, prompt_len, new, compile_arg, result, sav
             r['steps_not_eager_argmax'] = int((gap > 0).sum())
             r['largest_relative_gap_where_not'] = gap.max().item()
             if name in profile_shapes:
-                r['profile'] = profile_steps(step_fn, ours, prompt, new, device)
+                with stacked(ours): r['profile'] = profile_steps(step_fn, ours, prompt, new, device)
             same = out[:, :prompt_len + n_check].eq(eager).all().item()
             diff = (out[0, prompt_len:prompt_len + n_check] != eager[0, prompt_len:]).nonzero()
             hf_times = []
@@ -295,7 +299,9 @@ def stacked_part(shapes, device, dtype, prompt_len, new, compile_arg, result, sa
             r['same_tokens'] = bool(torch.equal(apart, together))
             differ = (apart != together).nonzero()
             r['first_differing_step'] = differ[0, 1].item() if len(differ) else None
-            print(name, r, flush=True)
+            print(name, r, flush=True); save()
+            with stacked(ours):  # where the stacked step's time goes, kernel by kernel (after the figures)
+                r['profile stacked'] = profile_steps(step_fn, ours, prompt, new, device)
             del ours
         except Exception as e:
             r['error'] = f'{type(e).__name__}: {e}'[:800]; traceback.print_exc()

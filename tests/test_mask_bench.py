@@ -55,6 +55,7 @@ def test_gpu_decode_stacked_part_runs_small_on_cpu(tmp_path):
     rows = gpu_decode_small('stacked', tmp_path)
     assert len(rows) == 2 and all(r['same_tokens'] and 'error' not in r for r in rows.values())
     assert all(r['separate step_ms'] > 0 and r['stacked step_ms'] > 0 for r in rows.values())
+    assert all(r['profile stacked'] and r['profile stacked'][0]['us_per_step'] > 0 for r in rows.values())
 
 
 @pytest.mark.slow

@@ -317,7 +317,11 @@ def _decode_step(
     options = dict(fullgraph=True, dynamic=False) if compile is True else dict(compile)
     if compile is True and device.type == 'cuda': options['mode'] = 'reduce-overhead'
     compiled = torch.compile(model, **options)
-    graphs = options.get('mode') == 'reduce-overhead'
+    from torch._inductor import list_mode_options  # CUDA graphs: by mode, or option
+    chosen = {**list_mode_options(options.get('mode') or 'default'),
+              **(options.get('options') or {})}
+    graphs = (chosen.get('triton.cudagraphs', False)  # then a graph per step, marked
+              or options.get('backend') == 'cudagraphs')
     bounds = set()  # those compiled so far: a new one compiles with room for more
     groups, seen = _groups(model), {}  # seen: the addresses each stack was found at
     def holds(i, g):  # in full when the addresses moved, else its linears only

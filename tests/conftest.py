@@ -1,5 +1,6 @@
 """Shared fixtures: every exported attention module behind one interface, and a recorder of the largest
 differences found against PyTorch's kernels (printed at the end of the run)."""
+import sys
 from collections import defaultdict
 
 import pytest
@@ -9,6 +10,15 @@ from selfattn_nbdev import (CausalAttention, MultiHeadAttention, MultiHeadAttent
                             SelfAttentionV1, SelfAttentionV2)
 
 MAX_DIFFS = defaultdict(float)  # (what, against) -> largest absolute difference seen
+
+
+@pytest.fixture(autouse=True, scope='module')
+def fresh_dynamo():
+    """Each test module starts with no compiled graphs. Dynamo's recompile limit counts the graphs of every model that
+    shares a forward, so without this a module's tests pass or fail by what ran before them (the package's own decode
+    step makes room for itself: tests/test_stacked.py checks that with the limit set to 1)."""
+    if 'torch._dynamo' in sys.modules: torch._dynamo.reset()
+    yield
 
 
 @pytest.fixture

@@ -132,3 +132,25 @@ def test_split_kv_attention_refuses_bad_shapes_by_name():
     q, k = torch.randn(1, 6, 1, 8), torch.randn(1, 4, 10, 8)
     with pytest.raises(ValueError, match='heads a multiple of kv_heads'): split_kv_attention(q, k, k)
     with pytest.raises(ValueError, match='num_splits'): split_kv_attention(torch.randn(1, 4, 1, 8), k, k, 0)
+
+
+@pytest.mark.parametrize('compile, marked', [
+    (dict(mode='reduce-overhead'), True), (dict(mode='max-autotune'), True),
+    (dict(options={'triton.cudagraphs': True, 'coordinate_descent_tuning': True}), True),
+    (dict(backend='cudagraphs'), True), (dict(mode='max-autotune-no-cudagraphs'), False), (dict(), False)])
+def test_every_mode_with_cuda_graphs_marks_each_step(monkeypatch, compile, marked):
+    """CUDA graphs come with mode 'reduce-overhead', 'max-autotune', the inductor option triton.cudagraphs, or the
+    cudagraphs backend: with any of them each step is marked as a new one (so a step's graph may reuse the last one's
+    memory); without, none is. torch.compile is stood in for here (the model run as if compiled): this checks what
+    the host does."""
+    def stand_in(model, **options):
+        def run(*args):
+            with monkeypatch.context() as m:
+                m.setattr(torch.compiler, 'is_compiling', lambda: True); return model(*args)
+        return run
+    marks = []
+    monkeypatch.setattr(torch, 'compile', stand_in)
+    monkeypatch.setattr(torch.compiler, 'cudagraph_mark_step_begin', lambda: marks.append(1))
+    model = TinyGPT(37, 64, d_model=16, num_heads=2, num_layers=1).eval()
+    generate(model, torch.randint(0, 37, (1, 4)), 5, compile=compile)
+    assert len(marks) == (4 if marked else 0)     # 4 decode steps after the prompt

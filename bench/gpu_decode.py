@@ -122,7 +122,7 @@ def sync(device):
 
 def profile_steps(step_fn, model, prompt, new, device, steps=20) -> list:
     "CUDA (or CPU) time by kernel over `steps` compiled decode steps, top 12, per step."
-    caches = model.new_caches(prompt.shape[1] + new)
+    caches = model.new_caches(prompt.shape[1] + 3 + steps)  # room for every token it writes
     with torch.no_grad():
         ids = model(prompt, caches)[:, -1].argmax(-1)[:, None]
         for _ in range(3): ids = step_fn(ids, caches)[:, -1].argmax(-1)[:, None]

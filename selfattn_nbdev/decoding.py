@@ -285,9 +285,12 @@ def _batch_prompts(
 # %% ../nbs/07_batches.ipynb #3cc3182d
 _GRAPH_ROOM = 32  # the graphs a decode step may add to those of its forward
 
-def _room_full() -> type: # the error of a fullgraph compile past Dynamo's limit
-    exc = torch._dynamo.exc  # named FailOnCacheLimitHit before torch 2.7
-    return getattr(exc, 'FailOnRecompileLimitHit', None) or exc.FailOnCacheLimitHit
+class _NeverRaised(Exception): pass
+
+def _room_full() -> tuple: # the errors of a fullgraph compile past Dynamo's limit
+    exc = torch._dynamo.exc  # FailOnCacheLimitHit in torch 2.6; none before
+    names = ('FailOnRecompileLimitHit', 'FailOnCacheLimitHit')
+    return tuple(getattr(exc, n) for n in names if hasattr(exc, n)) or (_NeverRaised,)
 
 def _limit_name() -> str: # Dynamo's limit on the graphs of one function
     "Its name since torch 2.7; before, `cache_size_limit`."
@@ -302,8 +305,8 @@ def _with_room(fn, *args): # Dynamo counts the graphs of every model of the clas
     while True:
         try:
             with config.patch(**{name: room}): return fn(*args)
-        except _room_full():
-            if room >= 32 * _GRAPH_ROOM: raise  # a graph per step: a bug, not room
+        except _room_full() as e:  # all graphs of all functions: no room helps
+            if room >= 32 * _GRAPH_ROOM or 'accumulated' in str(e.__cause__ or e): raise
             room *= 2
 
 def _decode_step(
@@ -322,7 +325,7 @@ def _decode_step(
               **(options.get('options') or {})}
     graphs = (chosen.get('triton.cudagraphs', False)  # then a graph per step, marked
               or options.get('backend') == 'cudagraphs')
-    bounds = set()  # those compiled so far: a new one compiles with room for more
+    bounds, retries = set(), []  # those compiled; new graphs for a known bound
     groups, seen = _groups(model), {}  # seen: the addresses each stack was found at
     def holds(i, g):  # in full when the addresses moved, else its linears only
         if not g[0].__dict__.get('_stacked', 0) or not all(map(_plain, g)): return False
@@ -340,7 +343,9 @@ def _decode_step(
         try:
             if bound in bounds:
                 try: return compiled(token_ids, caches)
-                except _room_full(): pass  # other models' graphs fill the room
+                except _room_full():  # other models' graphs fill the room: retry,
+                    retries.append(bound)  # but a graph every step is a bug
+                    if len(retries) > 8: raise
             bounds.add(bound)
             return _with_room(compiled, token_ids, caches)
         finally:

@@ -325,7 +325,7 @@ def _decode_step(
               **(options.get('options') or {})}
     graphs = (chosen.get('triton.cudagraphs', False)  # then a graph per step, marked
               or options.get('backend') == 'cudagraphs')
-    bounds, retries = set(), []  # those compiled; new graphs for a known bound
+    bounds, retries = set(), 0  # those compiled; new graphs for a known bound
     groups, seen = _groups(model), {}  # seen: the addresses each stack was found at
     def holds(i, g):  # in full when the addresses moved, else its linears only
         if not g[0].__dict__.get('_stacked', 0) or not all(map(_plain, g)): return False
@@ -333,6 +333,7 @@ def _decode_step(
         if seen.get(i) != at: seen[i] = at if _laid_out(g) else None
         return seen[i] is not None
     def step(token_ids, caches):  # the host counts the tokens and sets each bound
+        nonlocal retries
         bound = None
         for cache in caches or ():
             cache.num_seen += token_ids.shape[1]
@@ -344,8 +345,8 @@ def _decode_step(
             if bound in bounds:
                 try: return compiled(token_ids, caches)
                 except _room_full():  # other models' graphs fill the room: retry,
-                    retries.append(bound)  # but a graph every step is a bug
-                    if len(retries) > 8: raise
+                    retries += 1  # but a graph every step is a bug: 8 at most
+                    if retries > 8: raise
             bounds.add(bound)
             return _with_room(compiled, token_ids, caches)
         finally:

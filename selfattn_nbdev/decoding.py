@@ -284,6 +284,7 @@ def _batch_prompts(
 
 # %% ../nbs/07_batches.ipynb #3cc3182d
 _GRAPH_ROOM = 32  # the graphs a decode step may add to those of its forward
+_RETRIES = 8  # new graphs for a bound already compiled: Dynamo's default limit
 
 class _NeverRaised(Exception): pass
 
@@ -298,16 +299,22 @@ def _limit_name() -> str: # Dynamo's limit on the graphs of one function
     if hasattr(config, 'recompile_limit'): return 'recompile_limit'
     return 'cache_size_limit'
 
+def _most_graphs() -> int: # Dynamo's cap on all the graphs of a function
+    "It counts every graph `_limit_name` counts, and more: past it, no room helps."
+    config = torch._dynamo.config
+    return getattr(config, 'accumulated_recompile_limit',
+                   getattr(config, 'accumulated_cache_size_limit', 256))
+
 def _with_room(fn, *args): # Dynamo counts the graphs of every model of the class:
     "Call `fn` with room for _GRAPH_ROOM more graphs, doubled while others fill it."
     config, name = torch._dynamo.config, _limit_name()
-    room = max(getattr(config, name), _GRAPH_ROOM)
+    room, most = max(getattr(config, name), _GRAPH_ROOM), _most_graphs()
     while True:
         try:
             with config.patch(**{name: room}): return fn(*args)
-        except _room_full() as e:  # all graphs of all functions: no room helps
-            if room >= 32 * _GRAPH_ROOM or 'accumulated' in str(e.__cause__ or e): raise
-            room *= 2
+        except _room_full():
+            if room >= most: raise  # then the accumulated limit is the one hit
+            room = min(2 * room, most)
 
 def _decode_step(
     model:nn.Module, # the model to call for one new token per row
@@ -345,8 +352,8 @@ def _decode_step(
             if bound in bounds:
                 try: return compiled(token_ids, caches)
                 except _room_full():  # other models' graphs fill the room: retry,
-                    retries += 1  # but a graph every step is a bug: 8 at most
-                    if retries > 8: raise
+                    retries += 1  # but a graph every step is a bug: a few at most
+                    if retries > _RETRIES: raise
             bounds.add(bound)
             return _with_room(compiled, token_ids, caches)
         finally:

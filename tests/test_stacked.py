@@ -248,6 +248,50 @@ def test_the_decode_step_makes_room_for_its_graphs_when_other_models_filled_it(m
             model.blocks[1].attn.W_key.weight.data = torch.randn(32, 32, dtype=torch.float64)  # a new graph
             assert (step(ids, caches) - model(ids, reference)).abs().max() < 1e-12
 
+def test_the_room_doubles_up_to_dynamos_cap_on_all_graphs_and_no_further():
+    """Past the accumulated limit (all the graphs of a function) no room for one function's graphs helps: the
+    doubling stops there and the error comes through, whatever Dynamo's message says."""
+    from selfattn_nbdev import decoding
+    config, name = torch._dynamo.config, decoding._limit_name()
+    full = decoding._room_full()[0]
+    rooms = []
+    def never(x):                                            # the limit is hit at any room
+        rooms.append(getattr(config, name)); raise full('a message that names no limit')
+    def at_100(x):                                           # room for 100 graphs is enough
+        rooms.append(getattr(config, name))
+        if rooms[-1] < 100: raise full('the recompile limit')
+        return x + 1
+    with config.patch(**{name: 8}), config.patch(accumulated_recompile_limit=200):
+        with pytest.raises(full, match='names no limit'): decoding._with_room(never, 0)
+        assert rooms == [32, 64, 128, 200]
+        rooms.clear()
+        assert decoding._with_room(at_100, 1) == 2 and rooms == [32, 64, 128]
+        assert getattr(config, name) == 8                    # the user's limit, as it was
+
+
+class _Rescaled(TinyGPT):
+    "Reads a Python int its caller changes before every step: a new graph every call."
+    def forward(self, *args, **kwargs): return super().forward(*args, **kwargs) * self.scale
+
+
+def test_a_step_that_needs_a_new_graph_every_call_fails_after_a_few_calls(monkeypatch):
+    """Retries for a bound already compiled are capped (_RETRIES), so a step that recompiles every call is a loud
+    error after the limit and a few retries, not a slow run until Dynamo's cap on all graphs."""
+    from selfattn_nbdev import decoding
+    monkeypatch.setattr(decoding, '_GRAPH_ROOM', 2)
+    monkeypatch.setattr(decoding, '_RETRIES', 2)
+    torch.manual_seed(0)
+    model = _Rescaled(37, 64, d_model=16, num_heads=4, num_layers=1).eval()
+    step = decoding._decode_step(model, dict(backend='eager', fullgraph=True, dynamic=False))
+    caches = model.new_caches(64)
+    calls = 0
+    with torch._dynamo.config.patch(**{decoding._limit_name(): 2, 'accumulated_recompile_limit': 16}):
+        with torch.no_grad(), pytest.raises(decoding._room_full()):
+            model.scale = 1; model(torch.randint(0, 37, (1, 4)), caches)
+            for calls in range(1, 17):
+                model.scale = calls; step(torch.randint(0, 37, (1, 1)), caches)
+    assert calls == 2 + 2 + 1                                # the limit, the retries, and the one that raised
+
 def test_generate_under_inference_mode_leaves_a_model_that_trains():
     model = TinyGPT(37, 64, d_model=32, num_heads=4, num_layers=1)
     with torch.inference_mode(): generate(model, torch.randint(0, 37, (1, 4)), 3)

@@ -35,11 +35,15 @@ class StaticKVCache:
     def __init__(self,
                  capacity:int, # the longest sequence it holds: prompt and new tokens
                  pads:Tensor|None=None, # int (batch,): padding tokens left of each row
+                 masks:dict|None=None, # shared by a model's caches: one mask a step
                 ):
         check_size(capacity, 'capacity')
         if pads is not None:
             check_token_ids(pads, capacity, 'pads', dims=(1,))  # ints in [0, capacity)
         self.capacity, self.pads = capacity, pads
+        if masks is not None and not isinstance(masks, dict):
+            raise TypeError(f"masks must be a dict or None; got {type(masks).__name__}")
+        self._masks = {} if masks is None else masks  # the step's mask, by its key
         self.reset()
 
     def reset(self) -> None:
@@ -128,7 +132,7 @@ class StaticKVCache:
                else len(self))
         key_columns = torch.arange(end, device=keys.device)              # (end,)
         return (self._keys[:, :, :end], self._values[:, :, :end],      # (b, h, end, hd)
-                self._allowed(columns, key_columns))
+                self._mask(columns, key_columns))
 
     def _allowed(self,
                  columns:Tensor, # the new tokens' columns, (T,)
@@ -141,6 +145,21 @@ class StaticKVCache:
             allowed = allowed & real                                     # (b, 1, T, S)
         allowed = allowed | (key_columns == columns[:, None])  # so no row is empty
         return allowed if allowed.dim() == 4 else allowed[None, None]
+
+    def _mask(self,
+              columns:Tensor, key_columns:Tensor, # as for _allowed
+              *kind, # what else the mask depends on (a later page's window)
+             ) -> Tensor: # _allowed's mask, built by the first of the caches sharing it
+        "The caches that share `masks` share a step's mask: each block sees the same."
+        compiling = torch.compiler.is_compiling()
+        if compiling and self.bound is None: return self._allowed(columns, key_columns)
+        # eagerly the tokens seen name the step; compiled, the host empties it each step
+        key = (None if compiling else self.num_seen, columns.shape[0],
+               key_columns.shape[0], columns.device, *kind)
+        if key not in self._masks:  # kept: this step's masks, one for each kind
+            if any(k[0] != key[0] for k in self._masks): self._masks.clear()
+            self._masks[key] = self._allowed(columns, key_columns)
+        return self._masks[key]
 
     def __repr__(self):
         return f"StaticKVCache({self.num_seen} tokens seen, capacity={self.capacity})"
@@ -155,7 +174,8 @@ def new_caches(self:TinyGPT,
     if capacity is None:
         if pads is not None: raise ValueError("pads needs a capacity; got None")
         return [KVCache() for _ in self.blocks]
-    return [StaticKVCache(capacity, pads) for _ in self.blocks]
+    masks = {}  # one mask a step, built by the first block, read by the others
+    return [StaticKVCache(capacity, pads, masks) for _ in self.blocks]
 
 # %% ../nbs/07_batches.ipynb #8504e33e
 def _plain(linear:nn.Module) -> bool:
@@ -345,6 +365,7 @@ def _decode_step(
         for cache in caches or ():
             cache.num_seen += token_ids.shape[1]
             cache.bound = bound = decode_bound(cache.num_seen, cache.capacity)
+            if getattr(cache, '_masks', None): cache._masks.clear()  # a new step
         for i, g in enumerate(groups):  # a stack the step may read: checked now
             g[0].__dict__['_stack_checked'] = holds(i, g)
         if graphs: torch.compiler.cudagraph_mark_step_begin()  # a CUDA graph per step

@@ -372,7 +372,7 @@ def update(self:StaticKVCache,
         keys, values = self._keys[:, :, :end], self._values[:, :, :end]
         key_columns = self._cols[:end]                                # (end,)
     self.step.add_(num_new)  # in place, like the storage
-    return keys, values, self._allowed(columns, key_columns)
+    return keys, values, self._mask(columns, key_columns, self._window, self.slots)
 
 @patch
 def _write(self:StaticKVCache,

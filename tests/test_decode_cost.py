@@ -99,6 +99,57 @@ def test_a_cached_step_attends_without_looking_for_empty_rows(window):
         assert (logits - model(ids, reference)).abs().max() < 1e-12   # the same logits as eager's
 
 
+def _unshared(model, capacity, pads):
+    "One StaticKVCache per block, each building its own mask: the reference."
+    return [StaticKVCache(capacity, pads) for _ in model.blocks]
+
+
+@pytest.mark.parametrize('kind', ['plain', 'window', 'mixed windows'])
+def test_a_step_builds_its_mask_once_and_every_block_reads_it(monkeypatch, kind):
+    """The caches of one new_caches share a dict of masks: eagerly, the first block of a step builds the mask and the
+    others read it (one build per kind of block: a sliding and a global block differ), and the logits are exactly
+    those of caches that each build their own."""
+    from selfattn_nbdev.models import Llama
+    torch.manual_seed(0)
+    model = (TinyGPT(37, 64, d_model=32, num_heads=4, num_layers=3, window=3 if kind == 'window' else None)
+             if kind != 'mixed windows' else
+             Llama(37, 64, d_model=32, num_heads=4, num_layers=4, num_kv_heads=2, d_hidden=48, window=3,
+                   layer_types=['sliding_attention', 'full_attention'] * 2)).double().eval()
+    built = []
+    allowed = StaticKVCache._allowed
+    monkeypatch.setattr(StaticKVCache, '_allowed', lambda self, *a: built.append(1) or allowed(self, *a))
+    pads, prompt = torch.tensor([0, 2]), torch.randint(0, 37, (2, 5))
+    shared, alone = model.new_caches(12, pads), _unshared(model, 12, pads)
+    with torch.no_grad():
+        assert torch.equal(model(prompt, shared), model(prompt, alone))
+        for token in range(4):
+            ids = torch.full((2, 1), token)
+            built.clear(); ours = model(ids, shared)
+            assert len(built) == (2 if kind == 'mixed windows' else 1)       # once a step (a kind)
+            built.clear(); theirs = model(ids, alone)
+            assert len(built) == len(model.blocks)                           # once a block
+            assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize('window', [None, 3])
+def test_a_compiled_step_builds_its_mask_once(window):
+    """In the traced graph of a compiled step the mask's comparisons appear once, not once per block, and the
+    logits are the eager ones; the host empties the shared masks before every step, so no step reads another's."""
+    torch.manual_seed(0)
+    model = TinyGPT(37, 64, d_model=32, num_heads=4, num_layers=3, window=window).double().eval()
+    prompt = torch.randint(0, 37, (2, 5))
+    graph, logits, caches = _traced_step(model, prompt)
+    ops = [str(n.target) for n in graph.nodes if n.op == 'call_function']
+    assert ops.count('aten.eq.Tensor') == 1 and ops.count('aten.bitwise_or.Tensor') == 1   # 3 before
+    step = _decode_step(model, dict(backend='aot_eager', fullgraph=True, dynamic=False))
+    caches, reference = model.new_caches(prompt.shape[1] + 6), _unshared(model, prompt.shape[1] + 6, None)
+    with torch.no_grad():
+        model(prompt, caches); model(prompt, reference)
+        for token in range(5):                                               # every step its own mask
+            ids = torch.full((2, 1), token)
+            assert (step(ids, caches) - model(ids, reference)).abs().max() < 1e-12
+
+
 def test_a_module_without_a_cache_still_zeros_a_query_with_no_key():
     "Without a cache, a padding query sees no key: the check stays there, and its context is 0, not NaN."
     torch.manual_seed(0)

@@ -417,6 +417,8 @@ def generate_stream(
     if max_new_tokens == 0: return
     sample = lambda logits: sample_next(logits, temperature, top_k, top_p, generator)
     total = token_ids.shape[1] + max_new_tokens
+    if compile is not False:  # a power of two: one compiled step serves many lengths
+        total = decode_bound(total, model.context_length)
     caches = model.new_caches(total if static else None, pads) if use_cache else None
     step = _decode_step(model, compile) if use_cache else None
     # without a cache, a fresh one for every prefix, only to place the padding

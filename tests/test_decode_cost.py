@@ -150,6 +150,26 @@ def test_a_compiled_step_builds_its_mask_once(window):
             assert (step(ids, caches) - model(ids, reference)).abs().max() < 1e-12
 
 
+def test_prompts_of_other_lengths_reuse_the_compiled_step():
+    """Compiling, generate gives its caches decode_bound(prompt + new tokens) columns, so a prompt of another length
+    finds the step it compiled (a cache of exactly prompt + new tokens columns recompiled for every length, and
+    failed at Dynamo's limit after about 115 lengths); the tokens are the eager ones."""
+    torch.manual_seed(0)
+    model = TinyGPT(37, 512, d_model=16, num_heads=2, num_layers=1).eval()
+    graphs = []
+    def count(gm, example_inputs): graphs.append(gm); return gm.forward
+    options = dict(backend=count, fullgraph=True, dynamic=False)
+    made = []
+    for n in (5, 6, 7, 40, 5):
+        prompt = torch.randint(0, 37, (1, n))
+        before = len(graphs)
+        assert torch.equal(generate(model, prompt, 8, compile=options), generate(model, prompt, 8))
+        made.append(len(graphs) - before)
+    assert made == [1, 0, 0, 0, 0]
+    generate(model, torch.randint(0, 37, (1, 300)), 8, compile=options)   # 308 tokens: the bucket of 512
+    assert len(graphs) == 2
+
+
 def test_a_module_without_a_cache_still_zeros_a_query_with_no_key():
     "Without a cache, a padding query sees no key: the check stays there, and its context is 0, not NaN."
     torch.manual_seed(0)

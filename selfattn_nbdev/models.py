@@ -24,7 +24,7 @@ from .causal import causal_mask, check_context
 from .multihead import MultiHeadAttention
 from .generation import TinyGPT, TransformerBlock, _check_cache
 from .decoding import project
-from .modern import rope_rotate
+from .modern import _shared_table, rope_rotate
 from .recent import (LlamaAttention, check_rope_scaling, layer_windows,
                                    rope_frequencies, soft_cap)
 
@@ -648,13 +648,17 @@ class LatentAttention(nn.Module):
         dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
         table, s = self._rope_cache, self.rope_scaling
         if table is None or table[0].device != like.device or table[0].dtype != dtype:
-            theta = yarn_frequencies(self.rope_dim, self.rope_base, s, dtype,
-                                     like.device)
-            angles = torch.arange(self.context_length, device=like.device,
-                                  dtype=dtype)[:, None] * theta
-            angles = torch.cat([angles, angles], dim=-1)  # (context_length, d_R)
-            scale = 1.0 if s is None else s["attention_factor"]
-            table = self._rope_cache = (angles.cos() * scale, angles.sin() * scale)
+            def make():
+                theta = yarn_frequencies(self.rope_dim, self.rope_base, s, dtype,
+                                         like.device)
+                angles = torch.arange(self.context_length, device=like.device,
+                                      dtype=dtype)[:, None] * theta
+                angles = torch.cat([angles, angles], dim=-1)  # (context_length, d_R)
+                scale = 1.0 if s is None else s["attention_factor"]
+                return angles.cos() * scale, angles.sin() * scale
+            key = ('yarn', self.context_length, self.rope_dim, self.rope_base, repr(s),
+                   like.device, dtype)
+            table = self._rope_cache = _shared_table(key, make)
         return table
 
     def _turn(self, x:Tensor, cos:Tensor, sin:Tensor) -> Tensor: # (..., T, d_R)

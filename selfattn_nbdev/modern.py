@@ -8,6 +8,7 @@ __all__ = ['repeat_kv', 'check_kv_heads', 'window_mask', 'check_window', 'rope_a
 # %% ../nbs/09_modern.ipynb #e4b55d1a
 import math
 import numbers
+import weakref
 from functools import partial
 
 import torch
@@ -258,20 +259,34 @@ def _allowed(self:MultiHeadAttention,
     return allowed
 
 # %% ../nbs/09_modern.ipynb #a0984706
+_TABLES = weakref.WeakValueDictionary()  # cos, sin by key, while a module holds them
+
+def _shared_table(key:tuple, # everything the table depends on, its kind first
+                  make, # () -> (cos, sin): builds it
+                 ) -> tuple: # cos, sin: the same tensors for every module that asks
+    "Build a table once for all the modules that need it: a model's blocks share one."
+    if torch.compiler.is_compiling(): return make()  # traced: kept by the module alone
+    cos, sin = _TABLES.get((key, 0)), _TABLES.get((key, 1))
+    if cos is None or sin is None:
+        cos, sin = make()
+        _TABLES[key, 0], _TABLES[key, 1] = cos, sin
+    return cos, sin
+
 @patch
 def _rope_table(self:MultiHeadAttention,
                 num_positions:int, # positions needed: 0 .. num_positions - 1
                 like:Tensor, # where and in what precision: float64 for float64
                ) -> tuple: # cos, sin: (at least num_positions, head_dim)
-    "RoPE's cos and sin for positions 0 to context_length, computed once and kept."
+    "RoPE's cos and sin for positions 0 to context_length, computed once and shared."
     dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
     table = self._rope_cache
     if (table is None or table[0].shape[0] < num_positions
             or table[0].device != like.device or table[0].dtype != dtype):
-        n = max(num_positions, self.context_length)
-        positions = torch.arange(n, device=like.device)
-        table = rope_angles(positions, self.head_dim, self.rope_base, dtype)
-        self._rope_cache = table
+        n, hd, base = (max(num_positions, self.context_length), self.head_dim,
+                       self.rope_base)
+        table = self._rope_cache = _shared_table(
+            ('rope', n, hd, base, like.device, dtype),
+            lambda: rope_angles(torch.arange(n, device=like.device), hd, base, dtype))
     return table
 
 @patch

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from .core import check_flag, check_size, patch
 from .masks import pick_kernel
 from .multihead import MultiHeadAttention
-from .modern import repeat_kv, rope_rotate
+from .modern import _shared_table, repeat_kv, rope_rotate
 
 # %% ../nbs/12_recent.ipynb #0ad10b7f
 def rope_frequencies(
@@ -140,17 +140,20 @@ class LlamaAttention(MultiHeadAttention):
 # %% ../nbs/12_recent.ipynb #1bd3c8c6
 @patch
 def _rope_table(self:LlamaAttention, num_positions:int, like:Tensor) -> tuple:
-    "cos and sin of the angles of positions 0 .. context_length; built once, kept."
+    "cos and sin of the angles of positions 0 .. context_length; built once, shared."
     dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
     table = self._rope_cache
     if (table is None or table[0].shape[0] < num_positions
             or table[0].device != like.device or table[0].dtype != dtype):
-        theta = rope_frequencies(self.head_dim, self.rope_base, self.rope_scaling,
-                                 dtype, like.device)           # (head_dim / 2,)
-        n = max(num_positions, self.context_length)
-        angles = torch.arange(n, device=like.device, dtype=dtype)[:, None] * theta
-        angles = torch.cat([angles, angles], dim=-1)           # (n, head_dim)
-        table = self._rope_cache = (angles.cos(), angles.sin())
+        n, hd, base, s = (max(num_positions, self.context_length), self.head_dim,
+                          self.rope_base, self.rope_scaling)
+        def make():
+            theta = rope_frequencies(hd, base, s, dtype, like.device)  # (hd / 2,)
+            angles = torch.arange(n, device=like.device, dtype=dtype)[:, None] * theta
+            angles = torch.cat([angles, angles], dim=-1)           # (n, head_dim)
+            return angles.cos(), angles.sin()
+        key = ('llama', n, hd, base, repr(s), like.device, dtype)
+        table = self._rope_cache = _shared_table(key, make)
     return table
 
 @patch

@@ -188,3 +188,30 @@ def test_bad_options_are_refused_with_a_message(kwargs, error, message):
         MultiHeadAttention(**args)
     with pytest.raises(ValueError, match='head_dim must be even; got 3'):
         rope_angles(torch.arange(4), 3)
+
+
+def test_a_models_blocks_share_one_rope_table_while_it_lives():
+    """Every block's RoPE table holds the cos and sin of every position up to context_length: built once and shared
+    by the blocks that need the same one (a Llama-1B-sized context of 131,072 positions took 16 copies, 1 GiB), and
+    freed with the model. Gemma's sliding and global blocks have different bases, so two tables."""
+    import gc
+    from selfattn_nbdev import modern
+    from selfattn_nbdev.generation import TinyGPT
+    from selfattn_nbdev.models import Gemma, Llama
+    torch.manual_seed(0)
+    llama = Llama(37, 512, d_model=32, num_heads=4, num_layers=4, num_kv_heads=2, d_hidden=48).eval()
+    gemma = Gemma(37, 512, d_model=32, num_heads=4, num_layers=4, num_kv_heads=2, d_hidden=48, head_dim=8,
+                  window=4, local_rope_base=10.0, layer_types=['sliding_attention', 'full_attention'] * 2).eval()
+    tiny = TinyGPT(37, 512, d_model=32, num_heads=4, num_layers=3, rope=True).eval()
+    ids = torch.randint(0, 37, (1, 6))
+    with torch.no_grad():
+        for model, tables in ((llama, 1), (gemma, 2), (tiny, 1)):
+            before = model(ids)
+            kept = {b.attn._rope_cache[0].data_ptr() for b in model.blocks}
+            assert len(kept) == tables
+            for b in model.blocks: b.attn._rope_cache = None        # each block its own table again
+            assert torch.equal(model(ids), before)
+    keys = {k for k, _ in modern._TABLES.keys()}
+    assert {k[0] for k in keys} >= {'rope', 'llama'}
+    del llama, gemma, tiny, model, b; gc.collect()
+    assert not {k for k, _ in modern._TABLES.keys()} & keys                # freed with the models

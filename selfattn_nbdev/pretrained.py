@@ -7,6 +7,7 @@ __all__ = ['SAFETENSORS_DTYPES', 'read_safetensors', 'read_checkpoint', 'from_hf
 
 # %% ../nbs/14_checkpoints.ipynb #427b8760
 import json
+import mmap
 from pathlib import Path
 
 import torch
@@ -42,9 +43,8 @@ def read_safetensors(
             raise ValueError(f"{path} is not a safetensors file: its first 8 bytes "
                              f"give a header of {n:,} bytes in a file of {file_size:,}")
         header = json.loads(f.read(n))
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # writes: in memory
     header.pop("__metadata__", None)
-    storage = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=file_size)
-    data = torch.empty(0, dtype=torch.uint8).set_(storage)   # the file's bytes
     tensors = {}
     for name, info in header.items():
         if info["dtype"] not in SAFETENSORS_DTYPES:
@@ -52,7 +52,9 @@ def read_safetensors(
                              f"reader knows {', '.join(SAFETENSORS_DTYPES)}")
         dtype = SAFETENSORS_DTYPES[info["dtype"]]
         start, end = (8 + n + offset for offset in info["data_offsets"])
-        raw = data[start:end]
+        raw = (torch.frombuffer(mapped, dtype=torch.uint8, count=end - start,
+                                offset=start)  # its own storage: a save writes its bytes
+               if end > start else torch.empty(0, dtype=torch.uint8))
         if start % dtype.itemsize: raw = raw.clone()   # misaligned: a copy of its own
         tensors[name] = raw.view(dtype).view(info["shape"])
     return tensors

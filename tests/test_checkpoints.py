@@ -248,6 +248,20 @@ def test_writes_to_loaded_weights_stay_out_of_the_file(tmp_path):
     assert (tmp_path/'model.safetensors').read_bytes() == before
 
 
+def test_saving_one_loaded_weight_writes_its_bytes_not_the_file(tmp_path):
+    """Each tensor read is a storage of its own over its bytes of the mapped file: torch.save of one weight writes
+    that weight (a view of one storage of the whole file wrote all of it: 431,017 bytes for a 256-byte norm)."""
+    import io
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**SMALL)).save_pretrained(tmp_path)
+    ours = from_hf(tmp_path)
+    file_bytes = (tmp_path/'model.safetensors').stat().st_size
+    for p in (ours.norm.weight, ours.blocks[0].attn.W_query.weight):
+        buffer = io.BytesIO(); torch.save(p, buffer)
+        assert len(buffer.getvalue()) < p.nbytes + 4096 < file_bytes
+    assert len({p.untyped_storage().data_ptr() for p in ours.parameters()}) == len(list(ours.parameters()))
+
+
 @pytest.mark.parametrize('dtype', [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64,
                                    torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
                                    torch.float8_e4m3fn, torch.float8_e5m2])

@@ -97,14 +97,15 @@ def documents(
 
 # %% ../nbs/10_masks.ipynb #m19c0013
 def document_positions(
-    document_ids:Tensor, # int (batch, num_tokens), each document a run of equal ids
+    document_ids:Tensor, # int (batch, num_tokens): equal ids, one document
 ) -> Tensor: # int (batch, num_tokens): the position of each token in its document
-    "Positions that start again at 0 where a new document starts."
+    "How many tokens of its document come before each token in its row."
     _check_integers(document_ids, 'document_ids', dims=2)
-    idx = torch.arange(document_ids.shape[-1], device=document_ids.device)  # (T,)
-    starts = F.pad(document_ids[..., 1:] != document_ids[..., :-1], (1, 0), value=True)
+    order = document_ids.argsort(dim=-1, stable=True)  # each document's, in their order
+    ids, idx = document_ids.gather(-1, order), torch.arange(order.shape[-1]).to(order)
+    starts = F.pad(ids[..., 1:] != ids[..., :-1], (1, 0), value=True)
     first = torch.where(starts, idx, 0).cummax(-1).values  # where its document starts
-    return idx - first
+    return torch.empty_like(order).scatter_(-1, order, idx - first)  # back in place
 
 # %% ../nbs/10_masks.ipynb #m19c0016
 def and_masks(*mask_mods:Callable) -> Callable:

@@ -72,3 +72,27 @@ def test_book_checkpoint_with_mask_loads_strictly(name):
 def test_causal_mask():
     assert causal_mask(3).tolist() == [[False, True, True], [False, False, True], [False, False, False]]
     assert causal_mask(0).shape == (0, 0)
+
+
+def test_a_document_that_comes_back_goes_on_where_it_stopped():
+    """Equal ids are one document for the mask, so its positions go on across the other document between its two
+    parts (they started again at 0, which matched neither reading): packed, its tokens equal the document joined,
+    on both models, short and past the length where the CPU runs path starts."""
+    from selfattn_nbdev.masks import document_positions
+    from selfattn_nbdev.models import Llama
+    from selfattn_nbdev import TinyGPT
+    torch.manual_seed(0)
+    ids = torch.randint(0, 4, (3, 37))
+    brute = [[int((row[:t] == row[t]).sum()) for t in range(len(row))] for row in ids]
+    assert document_positions(ids).tolist() == brute
+    for model in (Llama(50, 2048, 32, 4, 1, num_kv_heads=2, d_hidden=64), TinyGPT(50, 2048, 32, 4, 1)):
+        model = model.double().eval()
+        for n in (4, 600):
+            x = torch.randint(0, 50, (1, 3 * n))
+            documents = torch.tensor([[0] * n + [1] * n + [0] * n])
+            with torch.no_grad():
+                packed = model(x, document_ids=documents)
+                joined = model(torch.cat([x[:, :n], x[:, 2 * n:]], 1))
+                middle = model(x[:, n:2 * n])
+            assert (packed[0, 2 * n:] - joined[0, n:]).abs().max() < 1e-10
+            assert (packed[0, n:2 * n] - middle[0]).abs().max() < 1e-10

@@ -8,6 +8,7 @@ __all__ = ['repeat_kv', 'check_kv_heads', 'window_mask', 'check_window', 'rope_a
 # %% ../nbs/09_modern.ipynb #e4b55d1a
 import math
 import numbers
+import weakref
 from functools import partial
 
 import torch
@@ -258,8 +259,6 @@ def _allowed(self:MultiHeadAttention,
     return allowed
 
 # %% ../nbs/09_modern.ipynb #a0984706
-import weakref
-
 _TABLES = weakref.WeakValueDictionary()  # cos, sin by key, while a module holds them
 
 def _shared_table(key:tuple, # everything the table depends on, its kind first

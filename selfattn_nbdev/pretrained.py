@@ -53,7 +53,7 @@ def read_safetensors(
         dtype = SAFETENSORS_DTYPES[info["dtype"]]
         start, end = (8 + n + offset for offset in info["data_offsets"])
         raw = (torch.frombuffer(mapped, dtype=torch.uint8, count=end - start,
-                                offset=start)  # its own storage: a save writes its bytes
+                                offset=start)  # its own storage: saved alone
                if end > start else torch.empty(0, dtype=torch.uint8))
         if start % dtype.itemsize: raw = raw.clone()   # misaligned: a copy of its own
         tensors[name] = raw.view(dtype).view(info["shape"])

@@ -414,7 +414,7 @@ def generate_stream(
                          f"prompts of different lengths need static=True")
     stops, pad_id = _check_generation(model, token_ids, max_new_tokens, use_cache,
                                       temperature, top_k, top_p, stop_ids, pad_id)
-    if max_new_tokens == 0: return
+    if max_new_tokens == 0: return iter(())
     sample = lambda logits: sample_next(logits, temperature, top_k, top_p, generator)
     total = token_ids.shape[1] + max_new_tokens
     if compile is not False:  # a power of two: one compiled step serves many lengths
@@ -423,13 +423,16 @@ def generate_stream(
     step = _decode_step(model, compile) if use_cache else None
     # without a cache, a fresh one for every prefix, only to place the padding
     fresh = lambda n: None if pads is None else model.new_caches(capacity=n, pads=pads)
-    was_training = model.training
-    model.eval()  # no dropout while writing; the caller's mode comes back after
-    try:  # q, k, v (and a gate and up) in one product each while it writes
-        with stacked(model):
-            yield from _decode(model, token_ids, max_new_tokens, caches, step,
-                               sample, stops, pad_id, fresh)
-    finally: model.train(was_training)
+    @torch.no_grad()
+    def stream():  # checked when called, above; it runs from the first next()
+        was_training = model.training
+        model.eval()  # no dropout while writing; the caller's mode comes back after
+        try:  # q, k, v (and a gate and up) in one product each while it writes
+            with stacked(model):
+                yield from _decode(model, token_ids, max_new_tokens, caches, step,
+                                   sample, stops, pad_id, fresh)
+        finally: model.train(was_training)
+    return stream()
 
 def _synchronize(device:torch.device) -> None:
     "Wait until the device has run everything queued (a GPU runs behind the host)."
@@ -444,6 +447,8 @@ def generate(
     **kwargs, # generate_stream's: use_cache, temperature, top_k, stop_ids, compile...
 ): # a tensor (b, T + new) for a tensor; for a list, each prompt + its new tokens
     "Continue every prompt; the same tokens `generate_stream` yields, all at once."
+    if step_times is not None and not isinstance(step_times, list):
+        raise TypeError(f"step_times must be a list or None; got {step_times!r}")
     stream = generate_stream(model, prompt_ids, max_new_tokens, **kwargs)
     device = next(model.parameters()).device
     if step_times is not None: _synchronize(device)

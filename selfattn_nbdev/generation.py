@@ -337,7 +337,7 @@ def append(self:KVCache,
                                or stored.dtype != keys.dtype):  # heads, head_dim
         raise ValueError(f"this cache holds keys of shape {tuple(self.keys.shape)} "
                          f"and {stored.dtype}; got {tuple(keys.shape)} and "
-                         f"{keys.dtype}: use one cache per module")
+                         f"{keys.dtype}: one cache per module, reset after a cast")
     kept, new = len(self), keys.shape[2]
     if stored is None or self._end + new > stored.shape[2]:  # no room at the end
         capacity = 0 if stored is None else stored.shape[2]
@@ -383,12 +383,14 @@ def _stop_ids(
     like:Tensor, # the prompt: the device
 ) -> Tensor: # the ids, (n,)
     "Stop ids as a tensor: an int or a non-empty list of ints, in the vocabulary."
-    ids = [stop_ids] if isinstance(stop_ids, int) else stop_ids
+    integer = lambda i: hasattr(i, '__index__') and not isinstance(i, (bool, Tensor))
+    ids = stop_ids.tolist() if isinstance(stop_ids, Tensor) else stop_ids  # its ints
+    ids = [ids] if integer(ids) else ids  # an int (numpy's too) is a list of one
     if (not isinstance(ids, (list, tuple)) or not ids or isinstance(stop_ids, bool)
-            or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
+            or not all(map(integer, ids))):
         raise TypeError(f"stop_ids must be a token id or a list of them; "
                         f"got {stop_ids!r}")
-    stops = torch.tensor(ids, device=like.device)
+    stops = torch.tensor([i.__index__() for i in ids], device=like.device)
     check_token_ids(stops, vocab_size, 'stop_ids', dims=(1,))
     return stops
 

@@ -627,3 +627,48 @@ def test_accuracy_is_right_with_labels_of_the_right_shape():
     with torch.no_grad():
         predicted = CLF(IDS, POS).argmax(-1)
     assert accuracy(CLF, IDS, predicted, POS) == 1.0
+
+
+def test_stop_ids_may_be_a_tensor_or_numpy_ints_and_anything_else_is_named():
+    "A tokenizer hands ids as tensors or numpy ints: they stop rows as Python ints do; floats, bools, 2-D are refused."
+    np = pytest.importorskip('numpy')
+    from selfattn_nbdev import TinyGPT, generate
+    torch.manual_seed(0)
+    model = TinyGPT(37, 64, d_model=16, num_heads=2, num_layers=1).eval()
+    prompt = torch.randint(0, 37, (2, 4))
+    expected = generate(model, prompt, 10, stop_ids=[3, 5])
+    for stops in (torch.tensor([3, 5]), [np.int64(3), np.int64(5)], (3, np.int16(5))):
+        assert torch.equal(generate(model, prompt, 10, stop_ids=stops), expected)
+    for one in (torch.tensor(3), np.int32(3)):
+        assert torch.equal(generate(model, prompt, 10, stop_ids=one), generate(model, prompt, 10, stop_ids=3))
+    for bad in (torch.tensor([3.0]), [True], 2.5, torch.ones(2, 2, dtype=torch.long), [], [torch.tensor(3)]):
+        with pytest.raises(TypeError, match='stop_ids must be a token id or a list of them'):
+            generate(model, prompt, 3, stop_ids=bad)
+
+
+def test_step_times_must_be_a_list_and_a_cast_model_is_told_to_reset_its_cache():
+    from selfattn_nbdev import KVCache, TinyGPT, generate
+    model = TinyGPT(37, 64, d_model=16, num_heads=2, num_layers=1).eval()
+    prompt = torch.randint(0, 37, (1, 4))
+    with pytest.raises(TypeError, match=r"step_times must be a list or None; got \(\)"):
+        generate(model, prompt, 3, step_times=())
+    caches = [KVCache()]
+    with torch.no_grad():
+        model(prompt, caches)
+        model.double()
+        with pytest.raises(ValueError, match='reset after a cast'): model(prompt[:, :1], caches)
+
+
+def test_generate_stream_checks_its_arguments_when_called_not_at_the_first_token():
+    "A bad prompt is refused where the stream is made, so the traceback points at the caller's line."
+    from selfattn_nbdev import TinyGPT, generate_stream
+    model = TinyGPT(37, 64, d_model=16, num_heads=2, num_layers=1)
+    with pytest.raises(ValueError, match=r'prompt_ids must be in \[0, 37\)'):
+        generate_stream(model, torch.tensor([[99]]), 5)               # no next() needed
+    with pytest.raises(ValueError, match='max_new_tokens'):
+        generate_stream(model, torch.tensor([[1]]), -1)
+    stream = generate_stream(model, torch.tensor([[1, 2]]), 3)
+    assert model.training                                              # nothing runs until the first next()
+    tokens = list(stream)
+    assert len(tokens) == 3 and model.training and not tokens[0].requires_grad
+    assert list(generate_stream(model, torch.tensor([[1, 2]]), 0)) == []

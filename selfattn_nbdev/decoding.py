@@ -383,7 +383,6 @@ def _decode_step(
 
 # %% ../nbs/07_batches.ipynb #d2fc0210
 @replaces(generation)
-@torch.no_grad()
 def generate_stream(
     model:nn.Module,  # follows the protocol of Generation, new_caches(capacity, pads)
     prompt_ids,       # (b, T) ids, or a list of 1-D prompts of different lengths

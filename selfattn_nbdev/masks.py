@@ -101,7 +101,7 @@ def document_positions(
 ) -> Tensor: # int (batch, num_tokens): the position of each token in its document
     "How many tokens of its document come before each token in its row."
     _check_integers(document_ids, 'document_ids', dims=2)
-    order = document_ids.argsort(dim=-1, stable=True)  # each document's, in their order
+    order = document_ids.argsort(dim=-1, stable=True)  # grouped by document, in order
     ids, idx = document_ids.gather(-1, order), torch.arange(order.shape[-1]).to(order)
     starts = F.pad(ids[..., 1:] != ids[..., :-1], (1, 0), value=True)
     first = torch.where(starts, idx, 0).cummax(-1).values  # where its document starts

@@ -153,9 +153,9 @@ class StaticKVCache:
         "The caches that share `masks` share a step's mask: each block sees the same."
         compiling = torch.compiler.is_compiling()
         if compiling and self.bound is None: return self._allowed(columns, key_columns)
-        # eagerly the tokens seen name the step; compiled, the host empties it each step
-        key = (None if compiling else self.num_seen, columns.shape[0],
-               key_columns.shape[0], columns.device, *kind)
+        # eagerly the tokens seen and the padding name the step; compiled, the host
+        step = None if compiling else (self.num_seen, id(self.pads))  # empties masks
+        key = (step, columns.shape[0], key_columns.shape[0], columns.device, *kind)
         if key not in self._masks:  # kept: this step's masks, one for each kind
             if any(k[0] != key[0] for k in self._masks): self._masks.clear()
             self._masks[key] = self._allowed(columns, key_columns)

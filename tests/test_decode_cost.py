@@ -225,3 +225,23 @@ def test_every_mode_with_cuda_graphs_marks_each_step(monkeypatch, compile, marke
     model = TinyGPT(37, 64, d_model=16, num_heads=2, num_layers=1).eval()
     generate(model, torch.randint(0, 37, (1, 4)), 5, compile=compile)
     assert len(marks) == (4 if marked else 0)     # 4 decode steps after the prompt
+
+
+def test_caches_of_other_padding_that_share_one_dict_of_masks_keep_their_own():
+    "A masks dict shared by hand between caches of different padding: each still gets its own padding's mask."
+    torch.manual_seed(0)
+    model = TinyGPT(37, 64, d_model=32, num_heads=4, num_layers=2).double().eval()
+    masks, prompt = {}, torch.randint(0, 37, (2, 5))
+    a = [StaticKVCache(12, torch.tensor([0, 2]), masks) for _ in model.blocks]
+    b = [StaticKVCache(12, torch.tensor([3, 0]), masks) for _ in model.blocks]
+    with torch.no_grad():
+        for caches, pads in ((a, [0, 2]), (b, [3, 0])):
+            alone = _unshared(model, 12, torch.tensor(pads))
+            assert torch.equal(model(prompt, caches), model(prompt, alone))
+        for token in range(3):
+            ids = torch.full((2, 1), token)
+            for caches, pads in ((a, [0, 2]), (b, [3, 0])):
+                alone = _unshared(model, 12, torch.tensor(pads))
+                model(prompt, alone)
+                for t in range(token): model(torch.full((2, 1), t), alone)
+                assert torch.equal(model(ids, caches), model(ids, alone))

@@ -161,6 +161,15 @@ class StaticKVCache:
             self._masks[key] = self._allowed(columns, key_columns)
         return self._masks[key]
 
+    def begin_step(self,
+                   num_new:int, # tokens the compiled step adds to each row
+                  ) -> int: # the columns the step reads: decode_bound's
+        "The host's half of a compiled step: count its tokens, bound it, forget masks."
+        self.num_seen += num_new
+        self.bound = decode_bound(self.num_seen, self.capacity)
+        self._masks.clear()  # the caches sharing them: the first of the step builds
+        return self.bound
+
     def __repr__(self):
         return f"StaticKVCache({self.num_seen} tokens seen, capacity={self.capacity})"
 
@@ -362,10 +371,7 @@ def _decode_step(
     def step(token_ids, caches):  # the host counts the tokens and sets each bound
         nonlocal retries
         bound = None
-        for cache in caches or ():
-            cache.num_seen += token_ids.shape[1]
-            cache.bound = bound = decode_bound(cache.num_seen, cache.capacity)
-            if getattr(cache, '_masks', None): cache._masks.clear()  # a new step
+        for cache in caches or (): bound = cache.begin_step(token_ids.shape[1])
         for i, g in enumerate(groups):  # a stack the step may read: checked now
             g[0].__dict__['_stack_checked'] = holds(i, g)
         if graphs: torch.compiler.cudagraph_mark_step_begin()  # a CUDA graph per step

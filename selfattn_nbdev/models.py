@@ -645,21 +645,16 @@ class LatentAttention(nn.Module):
 
     def _rope_table(self, like:Tensor) -> tuple: # cos, sin: (context_length, d_R)
         "cos and sin of the angles of every position, times yarn's factor; kept."
-        dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
-        table, s = self._rope_cache, self.rope_scaling
-        if table is None or table[0].device != like.device or table[0].dtype != dtype:
-            def make():
-                theta = yarn_frequencies(self.rope_dim, self.rope_base, s, dtype,
-                                         like.device)
-                angles = torch.arange(self.context_length, device=like.device,
-                                      dtype=dtype)[:, None] * theta
-                angles = torch.cat([angles, angles], dim=-1)  # (context_length, d_R)
-                scale = 1.0 if s is None else s["attention_factor"]
-                return angles.cos() * scale, angles.sin() * scale
-            key = ('yarn', self.context_length, self.rope_dim, self.rope_base, repr(s),
-                   like.device, dtype)
-            table = self._rope_cache = _shared_table(key, make)
-        return table
+        s = self.rope_scaling
+        def make(n, dtype):
+            theta = yarn_frequencies(self.rope_dim, self.rope_base, s, dtype,
+                                     like.device)
+            angles = torch.arange(n, device=like.device, dtype=dtype)[:, None] * theta
+            angles = torch.cat([angles, angles], dim=-1)      # (context_length, d_R)
+            scale = 1.0 if s is None else s["attention_factor"]
+            return angles.cos() * scale, angles.sin() * scale
+        key = ('yarn', self.rope_dim, self.rope_base, repr(s))
+        return _shared_table(self, key, self.context_length, like, make)
 
     def _turn(self, x:Tensor, cos:Tensor, sin:Tensor) -> Tensor: # (..., T, d_R)
         "RoPE on the turned part; interleaved pairs (2p, 2p + 1) are put apart first."

@@ -261,15 +261,27 @@ def _allowed(self:MultiHeadAttention,
 # %% ../nbs/09_modern.ipynb #a0984706
 _TABLES = weakref.WeakValueDictionary()  # cos, sin by key, while a module holds them
 
-def _shared_table(key:tuple, # everything the table depends on, its kind first
-                  make, # () -> (cos, sin): builds it
+def _shared_table(module:nn.Module, # keeps the table it is given: _rope_cache
+                  key:tuple, # what the table depends on besides its size: kind first
+                  num_positions:int, # positions needed: 0 .. num_positions - 1
+                  like:Tensor, # where and in what precision: float64 for float64
+                  make, # (n, dtype) -> cos, sin of positions 0 .. n - 1 on like.device
                  ) -> tuple: # cos, sin: the same tensors for every module that asks
-    "Build a table once for all the modules that need it: a model's blocks share one."
-    if torch.compiler.is_compiling(): return make()  # traced: kept by the module alone
-    cos, sin = _TABLES.get((key, 0)), _TABLES.get((key, 1))
-    if cos is None or sin is None:
-        cos, sin = make()
-        _TABLES[key, 0], _TABLES[key, 1] = cos, sin
+    "The module's table while it fits, else one built once for all the modules."
+    dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
+    table = module._rope_cache
+    if (table is not None and table[0].shape[0] >= num_positions
+            and table[0].device == like.device and table[0].dtype == dtype):
+        return table
+    n = max(num_positions, module.context_length)
+    key = (*key, n, like.device, dtype)
+    if torch.compiler.is_compiling(): cos, sin = make(n, dtype)  # the module's alone
+    else:
+        cos, sin = _TABLES.get((key, 0)), _TABLES.get((key, 1))
+        if cos is None or sin is None:
+            cos, sin = make(n, dtype)
+            _TABLES[key, 0], _TABLES[key, 1] = cos, sin
+    module._rope_cache = cos, sin
     return cos, sin
 
 @patch
@@ -278,16 +290,10 @@ def _rope_table(self:MultiHeadAttention,
                 like:Tensor, # where and in what precision: float64 for float64
                ) -> tuple: # cos, sin: (at least num_positions, head_dim)
     "RoPE's cos and sin for positions 0 to context_length, computed once and shared."
-    dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
-    table = self._rope_cache
-    if (table is None or table[0].shape[0] < num_positions
-            or table[0].device != like.device or table[0].dtype != dtype):
-        n, hd, base = (max(num_positions, self.context_length), self.head_dim,
-                       self.rope_base)
-        table = self._rope_cache = _shared_table(
-            ('rope', n, hd, base, like.device, dtype),
-            lambda: rope_angles(torch.arange(n, device=like.device), hd, base, dtype))
-    return table
+    hd, base = self.head_dim, self.rope_base
+    def make(n, dtype): return rope_angles(torch.arange(n, device=like.device), hd,
+                                           base, dtype)
+    return _shared_table(self, ('rope', hd, base), num_positions, like, make)
 
 @patch
 def _project(self:MultiHeadAttention,

@@ -141,20 +141,13 @@ class LlamaAttention(MultiHeadAttention):
 @patch
 def _rope_table(self:LlamaAttention, num_positions:int, like:Tensor) -> tuple:
     "cos and sin of the angles of positions 0 .. context_length; built once, shared."
-    dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
-    table = self._rope_cache
-    if (table is None or table[0].shape[0] < num_positions
-            or table[0].device != like.device or table[0].dtype != dtype):
-        n, hd, base, s = (max(num_positions, self.context_length), self.head_dim,
-                          self.rope_base, self.rope_scaling)
-        def make():
-            theta = rope_frequencies(hd, base, s, dtype, like.device)  # (hd / 2,)
-            angles = torch.arange(n, device=like.device, dtype=dtype)[:, None] * theta
-            angles = torch.cat([angles, angles], dim=-1)           # (n, head_dim)
-            return angles.cos(), angles.sin()
-        key = ('llama', n, hd, base, repr(s), like.device, dtype)
-        table = self._rope_cache = _shared_table(key, make)
-    return table
+    hd, base, s = self.head_dim, self.rope_base, self.rope_scaling
+    def make(n, dtype):
+        theta = rope_frequencies(hd, base, s, dtype, like.device)  # (hd / 2,)
+        angles = torch.arange(n, device=like.device, dtype=dtype)[:, None] * theta
+        angles = torch.cat([angles, angles], dim=-1)               # (n, head_dim)
+        return angles.cos(), angles.sin()
+    return _shared_table(self, ('llama', hd, base, repr(s)), num_positions, like, make)
 
 @patch
 def _project(self:LlamaAttention, x:Tensor, positions:Tensor|None=None) -> tuple:

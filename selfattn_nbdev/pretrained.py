@@ -60,6 +60,15 @@ def read_safetensors(
     return tensors
 
 # %% ../nbs/14_checkpoints.ipynb #9e34130b
+def _as_dtype(dtype) -> torch.dtype|None: # a floating dtype, or None
+    "A dtype, or its name as config.json writes it (\"bfloat16\"); \"auto\" is None."
+    if dtype is None or dtype == "auto": return None
+    found = (getattr(torch, dtype.removeprefix("torch."), None)
+             if isinstance(dtype, str) else dtype)
+    if isinstance(found, torch.dtype) and found.is_floating_point: return found
+    raise TypeError(f"dtype must be a floating torch.dtype, its name (\"bfloat16\") "
+                    f"or \"auto\"; got {dtype!r}")
+
 def read_checkpoint(
     source, # a .safetensors file, or a folder with model.safetensors or its index
 ) -> tuple: # ({name: tensor}, config.json as a dict, or None when there is none)
@@ -92,7 +101,7 @@ def read_checkpoint(
 def from_hf(
     source, # a state dict, a .safetensors file, or a checkpoint folder
     config:dict|None=None, # config.json as a dict; None: the one beside the files
-    dtype:torch.dtype|None=None, # None: the checkpoint's own
+    dtype:torch.dtype|str|None=None, # None or "auto": the checkpoint's own
     device=None, # None: the CPU, with the weights left in the mapped files
 ) -> nn.Module: # GPT2, Llama (Llama, Mistral, Qwen...), Gemma, DeepSeekV3; eval
     "A Hugging Face checkpoint as this package's model: built on meta, tensors assigned"
@@ -130,5 +139,5 @@ def from_hf(
     with torch.device("meta"): model = build(**sizes)    # shapes only: no memory
     load_hf_state_dict(model, state_dict, weight_map, prefix, assign=True)
     if dtype is not None or device is not None:
-        model = model.to(device=device, dtype=dtype)
+        model = model.to(device=device, dtype=_as_dtype(dtype))
     return model.eval()

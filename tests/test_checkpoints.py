@@ -224,6 +224,13 @@ def test_dtype_and_a_single_file(tmp_path):
         assert rel(ours(token_ids).float(), theirs(token_ids).logits) <= 1e-5
     bf16 = from_hf(tmp_path, dtype=torch.bfloat16)
     assert {p.dtype for p in bf16.parameters()} == {torch.bfloat16}
+    # as config.json and transformers name them: a name, "torch.<name>", or "auto" (its own)
+    for name, want in [('bfloat16', torch.bfloat16), ('torch.float16', torch.float16),
+                       ('auto', torch.float32)]:
+        assert {p.dtype for p in from_hf(tmp_path, dtype=name).parameters()} == {want}
+    for bad in ['int64', 'bf16', torch.int8, 3]:  # refused by name, before any cast
+        with pytest.raises(TypeError, match=r'dtype must be a floating torch\.dtype.*got'):
+            from_hf(tmp_path, dtype=bad)
 
 
 def test_a_state_dict_is_copied_not_taken():

@@ -1,7 +1,8 @@
 """Checkpoints from disk (nbs/13_pretrained.ipynb): `read_safetensors` against the format's own library, `from_hf` on
 the folders transformers' `save_pretrained` writes (one file and sharded) for every family the package builds, against
 transformers' logits (1e-5 of the largest, float32) and its greedy `generate` (16 tokens, with the package's cache);
-and what `from_hf` refuses, by name."""
+what `from_hf` refuses, by name; and `save_hf`, which writes a model back: transformers loads it with no tensor
+missing or left over and the same logits, `from_hf` reads it back to the bit, and what it refuses is named."""
 import json
 import struct
 
@@ -16,7 +17,8 @@ from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, Gemma2Config,
 
 from selfattn_nbdev.generation import KVCache, generate
 from selfattn_nbdev.pretrained import (GPT2, DeepSeekV3, Gemma, LatentAttention, Llama, deepseek_config, from_hf,
-                                       gemma_config, read_checkpoint, read_safetensors, yarn_frequencies)
+                                       gemma_config, read_checkpoint, read_safetensors, save_hf, to_hf_state_dict,
+                                       write_safetensors, yarn_frequencies)
 from selfattn_nbdev.recent import LlamaAttention, rope_frequencies
 
 transformers.utils.logging.set_verbosity_error()
@@ -102,6 +104,107 @@ def test_same_logits_and_greedy_tokens(saved):
     assert all(isinstance(c, KVCache) for c in ours.new_caches())   # generate's cache
     assert torch.equal(mine, theirs.generate(prompt, max_new_tokens=16, do_sample=False)), name
     assert len(set(mine[0, 16:].tolist())) > 3, name               # not one token repeated
+
+
+def test_save_hf_writes_what_transformers_and_from_hf_read(saved, tmp_path):
+    name, theirs, folder = saved
+    ours = from_hf(folder)
+    with torch.no_grad():   # as if tuned: every tensor moves, so a tensor saved in the wrong place would show
+        for p in ours.parameters(): p.add_(torch.randn_like(p), alpha=0.01)
+    out = save_hf(ours, tmp_path/'tuned')
+    assert sorted(p.name for p in out.iterdir()) == ['config.json', 'model.safetensors']   # no .part left
+    back, info = type(theirs).from_pretrained(out, output_loading_info=True)
+    assert not any(info.values()), (name, info)                # no tensor missing, unexpected or mismatched
+    token_ids = torch.randint(0, 256, (2, 60), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert rel(ours(token_ids), back.eval()(token_ids).logits) <= 1e-5, name
+    again = from_hf(out)
+    assert ours.state_dict().keys() == again.state_dict().keys()
+    for key, t in ours.state_dict().items(): assert torch.equal(t, again.state_dict()[key]), (name, key)
+    library = load_file(out/'model.safetensors')                # the format's own reader agrees
+    assert library.keys() == back.state_dict().keys() - {'lm_head.weight'} | (
+        {'lm_head.weight'} if 'lm_head.weight' in library else set())
+    written = json.loads((out/'config.json').read_text())
+    assert written['dtype'] == 'float32' and written['model_type'] == json.loads(
+        (folder/'config.json').read_text())['model_type']
+
+
+def test_save_hf_keeps_the_dtype_and_the_tie(tmp_path):
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(Qwen3Config(**SMALL, head_dim=16, tie_word_embeddings=True)).save_pretrained(tmp_path/'a')
+    half = from_hf(tmp_path/'a', dtype='bfloat16')
+    save_hf(half, tmp_path/'b')
+    tensors = read_safetensors(tmp_path/'b'/'model.safetensors')
+    assert 'lm_head.weight' not in tensors and {t.dtype for t in tensors.values()} == {torch.bfloat16}
+    assert json.loads((tmp_path/'b'/'config.json').read_text())['dtype'] == 'bfloat16'
+    back = from_hf(tmp_path/'b')
+    assert back.head.weight is back.token_emb.weight and back.head.weight.dtype == torch.bfloat16
+    # a config.json of transformers 4 names the dtype torch_dtype: that key is kept in step
+    config = {**half.hf_config, 'torch_dtype': 'float32'}
+    save_hf(half, tmp_path/'c', config=config)
+    written = json.loads((tmp_path/'c'/'config.json').read_text())
+    assert written['torch_dtype'] == written['dtype'] == 'bfloat16'
+
+
+def test_save_hf_replaces_a_checkpoint_only_when_told(tmp_path):
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**SMALL)).save_pretrained(tmp_path, max_shard_size='100KB')   # sharded
+    shards = sorted(p.name for p in tmp_path.glob('*.safetensors'))
+    assert len(shards) > 1
+    ours = from_hf(tmp_path)
+    with pytest.raises(FileExistsError, match='already holds config.json, model.safetensors.index.json.*overwrite=True'):
+        save_hf(ours, tmp_path)
+    assert sorted(p.name for p in tmp_path.glob('*.safetensors')) == shards   # nothing touched
+    with torch.no_grad(): ours.norm.weight.fill_(2.0)
+    save_hf(ours, tmp_path, overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['config.json', 'generation_config.json',
+                                                          'model.safetensors']   # the old shards and index are gone
+    assert torch.equal(from_hf(tmp_path).norm.weight, torch.full((64,), 2.0))   # the new file is the one read
+
+
+def test_save_hf_refuses_by_name(tmp_path):
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**SMALL)).save_pretrained(tmp_path/'a')
+    ours = from_hf(tmp_path/'a')
+    config = ours.hf_config
+    bare = Llama(vocab_size=256, context_length=300, d_model=64, num_heads=4, num_layers=2, num_kv_heads=2,
+                 d_hidden=128)                                           # built by hand: no hf_config
+    with pytest.raises(ValueError, match='config is None and the model has no hf_config'):
+        save_hf(bare, tmp_path/'b')
+    save_hf(bare, tmp_path/'b', config=config)                          # with the config, it is written
+    with pytest.raises(ValueError, match=r'blocks.2.norm1.weight is \(64,\) in the config.s Llama and no such tensor'):
+        save_hf(ours, tmp_path/'c', config={**config, 'num_hidden_layers': 3})
+    with pytest.raises(ValueError, match=r'blocks.0.attn.W_query.weight is \(32, 64\)'):
+        save_hf(ours, tmp_path/'c', config={**config, 'head_dim': 8})
+    ours.extra = torch.nn.Linear(2, 2)                                  # an adapter the checkpoint has no place for
+    with pytest.raises(ValueError, match=r'extra.weight is no such tensor in the config.s Llama and \(2, 2\)'):
+        save_hf(ours, tmp_path/'c')
+    del ours.extra
+    with pytest.raises(TypeError, match="model_type makes a GPT2; got model=Llama"):
+        save_hf(ours, tmp_path/'c', config={**config, 'model_type': 'gpt2', 'n_embd': 64, 'n_layer': 2,
+                                            'n_head': 4, 'n_positions': 300})
+    (tmp_path/'file').write_text('mine')
+    with pytest.raises(NotADirectoryError, match='folder must be a directory'):
+        save_hf(ours, tmp_path/'file')
+    assert (tmp_path/'file').read_text() == 'mine'
+    with pytest.raises(TypeError, match='overwrite must be'):
+        save_hf(ours, tmp_path/'d', overwrite='yes')
+    assert not (tmp_path/'c').exists() and not (tmp_path/'d').exists()   # nothing made before the checks passed
+
+
+def test_write_safetensors_round_trips_and_refuses_subclasses(tmp_path):
+    tensors = {'f': torch.randn(3, 5), 'h': torch.randn(4).bfloat16(), 'i': torch.arange(7, dtype=torch.int16),
+               'b': torch.tensor([True, False]), 'e': torch.empty(0, 3), 's': torch.tensor(2.5),
+               'v': torch.randn(4, 6)[:, ::2]}                       # not contiguous: written as its values
+    write_safetensors(tmp_path/'x.safetensors', tensors)
+    for reader in (load_file, read_safetensors):
+        got = reader(tmp_path/'x.safetensors')
+        assert got.keys() == tensors.keys()
+        for k, t in tensors.items(): assert torch.equal(got[k], t) and got[k].dtype == t.dtype, k
+    class Shard(torch.Tensor): pass
+    with pytest.raises(TypeError, match=r"tensors\['w'\] must be a plain tensor on one device; got Shard"):
+        write_safetensors(tmp_path/'y.safetensors', {'w': torch.zeros(2).as_subclass(Shard)})
+    assert not list(tmp_path.glob('y.safetensors*'))
 
 
 def test_tied_heads_stay_tied_and_options_arrive(saved):

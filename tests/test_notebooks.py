@@ -146,6 +146,14 @@ def test_sidebar_lists_every_notebook_once_in_three_groups():
 NEXT = re.compile(r'(?:^|[.!?]\s+)Next,\s*\[[^\]]*\]\((\w+\.html)[^)]*\)|^##+ (?:What\'s next|Next)\n+[^\[]*\[[^\]]*\]\((\w+\.html)', re.M)
 
 
+def test_the_landing_page_lists_every_page_in_the_sidebar_order():
+    "'The rest of the story' on the landing page links every other page once, in the sidebar's order."
+    text = '\n\n'.join(cells(ROOT/'nbs'/'index.ipynb', 'markdown'))
+    listed = re.findall(r'^- \[[^\]]+\]\((\w+\.html)\)', text.split('## The rest of the story')[1], re.M)
+    order = [page(nb) for group, nbs in sidebar().items() if group for nb in nbs]
+    assert listed == order, f'listed: {listed}; the sidebar: {order}'
+
+
 def test_every_next_sentence_names_the_next_page():
     "A page's 'Next, [..](page.html)' (or its 'Next' section) must point where the footer's next link goes."
     order = [nb for nbs in sidebar().values() for nb in nbs]

@@ -217,6 +217,8 @@ def _ready_folder(
 ) -> Path: # the folder, made if missing, with no older checkpoint left to read
     "Make the folder; refuse to replace a checkpoint in it unless `overwrite`."
     check_flag(overwrite, "overwrite")
+    if not isinstance(folder, (str, os.PathLike)):
+        raise TypeError(f"folder must be a path; got {type(folder).__name__}")
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
         raise NotADirectoryError(f"folder must be a directory; {folder} is a file")

@@ -187,6 +187,8 @@ def test_save_hf_refuses_by_name(tmp_path):
     with pytest.raises(NotADirectoryError, match='folder must be a directory'):
         save_hf(ours, tmp_path/'file')
     assert (tmp_path/'file').read_text() == 'mine'
+    with pytest.raises(TypeError, match='folder must be a path; got NoneType'):
+        save_hf(ours, None)
     with pytest.raises(TypeError, match='overwrite must be'):
         save_hf(ours, tmp_path/'d', overwrite='yes')
     assert not (tmp_path/'c').exists() and not (tmp_path/'d').exists()   # nothing made before the checks passed

@@ -148,6 +148,9 @@ def check_tp_degree(
         raise TypeError(f"module must be a MultiHeadAttention; "
                         f"got {type(module).__name__}")
     check_size(degree, 'degree')
+    if getattr(module, 'sinks', None) is not None:  # one logit per head, not split
+        raise ValueError("tensor parallelism splits the heads' projections, not a "
+                         "sink logit per head: sinks=True is not supported")
     for name in ('num_heads', 'num_kv_heads'):
         heads = getattr(module, name)
         if heads % degree:

@@ -260,5 +260,6 @@ def kv_cache_bytes(
     for value, name in [(num_tokens, "num_tokens"), (num_layers, "num_layers"),
                         (per_token, "per_token"),
                         (bytes_per_number, "bytes_per_number")]: check_size(value, name)
+    if window is not None: check_size(window, "window")
     kept = num_tokens if window is None else min(num_tokens, window)
     return num_layers * per_token * kept * bytes_per_number

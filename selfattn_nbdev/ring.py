@@ -32,6 +32,10 @@ def sequence_chunks(
     "Which equal chunks of the sequence a rank holds, in contiguous or zig-zag order."
     if order not in ('contiguous', 'zigzag'):
         raise ValueError(f"order must be 'contiguous' or 'zigzag'; got {order!r}")
+    check_size(world_size, 'world_size')
+    if type(rank) is not int or not 0 <= rank < world_size:  # not a bool, a float
+        raise ValueError(f"rank must be an int in [0, world_size={world_size}); "
+                         f"got {rank!r}")
     if order == 'contiguous': return [rank]
     return [rank, 2 * world_size - 1 - rank]
 
@@ -299,13 +303,14 @@ def context_parallel(
                         f"{type(module).__name__}")
     weight = module.W_query.weight
     check_tokens(x, module.d_in, weight.dtype, weight.device)
-    refused = {'window': module.window is not None,
-               'dropout': module.training and module.dropout.p > 0}
-    if any(refused.values()):
-        name = next(k for k, v in refused.items() if v)
-        raise ValueError(f"context_parallel runs causal or full attention without "
-                         f"{name}; got window={module.window}, dropout="
-                         f"{module.dropout.p} (training={module.training})")
+    refused = {'window': module.window, 'softcap': getattr(module, 'softcap', None),
+               'sinks': getattr(module, 'sinks', None),  # a later page's scores
+               'dropout': module.dropout.p if module.training else 0}
+    for name, value in refused.items():
+        if value is not None and (name != 'dropout' or value > 0):
+            got = 'a logit per head' if name == 'sinks' else value
+            raise ValueError(f"context_parallel runs causal or full attention without "
+                             f"{name}; got {name}={got} (training={module.training})")
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     chunks, num_local = len(sequence_chunks(rank, size, order)), x.shape[-2]
     if num_local == 0 or num_local % chunks:

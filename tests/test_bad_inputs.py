@@ -326,6 +326,7 @@ CASES = {
                                 ['sink', '(3,)']),
     'kv_cache_bytes tokens': (lambda: RC.kv_cache_bytes(-1, 2, 8), ValueError, ['num_tokens', '-1']),
     'kv_cache_bytes per_token': (lambda: RC.kv_cache_bytes(4, 2, 0), ValueError, ['per_token', '0']),
+    'kv_cache_bytes window': (lambda: RC.kv_cache_bytes(4, 2, 8, window=-5), ValueError, ['window', '-5']),
     'gpt2_from_hf shape': (lambda: P.gpt2_from_hf(_bad_gpt2_state(), GPT2_CFG), ValueError, ['wte.weight', '(3, 8)']),
     'from_torch_multihead kdim': (lambda: P.from_torch_multihead(nn.MultiheadAttention(8, 2, kdim=4, vdim=4), 8),
                                   ValueError, ['kdim']),

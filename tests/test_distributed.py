@@ -191,3 +191,12 @@ def test_the_pages_torchrun_scripts_run_as_shown(tmp_path):
     assert torchrun(tmp_path, 'split_heads.py', shown['split_heads.py'], 2,
                     r'rank \d+: \d+ heads, output \([\d, ]+\)') == [
         f'rank {r}: 2 heads, output (2, 8, 32)' for r in range(2)]
+
+
+def test_tensor_parallel_refuses_sinks_it_would_not_split():
+    "A sink logit per head stayed whole while the heads were split: every forward failed deep in softmax_with_sink."
+    from selfattn_nbdev.distributed import check_tp_degree
+    from selfattn_nbdev.recent import LlamaAttention
+    with pytest.raises(ValueError, match='not a sink logit per head: sinks=True is not supported'):
+        check_tp_degree(LlamaAttention(16, 8, num_heads=4, num_kv_heads=2, sinks=True), 2)
+    check_tp_degree(LlamaAttention(16, 8, num_heads=4, num_kv_heads=2, softcap=5.0), 2)   # the cap splits with the heads

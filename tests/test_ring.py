@@ -108,6 +108,21 @@ def test_ring_refuses_what_it_cannot_take(one_rank):
     with pytest.raises(TypeError, match='MultiHeadAttention'): context_parallel(nn.Linear(16, 32), torch.randn(2, 8, 16))
 
 
+def test_context_parallel_refuses_scores_the_ring_does_not_compute():
+    "The ring computes plain softmax attention: a soft cap or sink logits would be dropped, silently wrong (0.05, 0.8)."
+    from selfattn_nbdev.recent import LlamaAttention
+    from selfattn_nbdev.ring import context_parallel, sequence_chunks, shard_sequence
+    x = torch.randn(1, 8, 16)
+    with pytest.raises(ValueError, match='without softcap; got softcap=1.0'):
+        context_parallel(LlamaAttention(16, 8, num_heads=4, num_kv_heads=2, softcap=1.0), x)
+    with pytest.raises(ValueError, match='without sinks; got sinks=a logit per head'):
+        context_parallel(LlamaAttention(16, 8, num_heads=4, num_kv_heads=2, sinks=True), x)
+    for rank in (2, -1, 1.0, True):   # a rank outside the world gave another rank's chunks
+        with pytest.raises(ValueError, match=r'rank must be an int in \[0, world_size=2\)'):
+            shard_sequence(torch.arange(8.)[:, None], rank, 2)
+    with pytest.raises(ValueError, match='world_size'): sequence_chunks(0, 0)
+
+
 def test_bench_counts_what_the_page_says():
     """bench/distributed.json's ring bytes are the page's 3R - 2 blocks of keys and values per rank, and four times as
     many with the 2 key/value heads repeated to the 8 query heads."""

@@ -253,7 +253,7 @@ def save_hf(
     write_safetensors(folder / "model.safetensors",
                       to_hf_state_dict(model, weight_map, prefix))
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    dtypes = {key: dtype for key in ("dtype", "torch_dtype") if key in config}
-    (folder / "config.json").write_text(json.dumps({"dtype": dtype, **config, **dtypes},
-                                                   indent=2))
+    config = {**config, "dtype": dtype}  # transformers 4 names it torch_dtype
+    if "torch_dtype" in config: config["torch_dtype"] = dtype
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
     return folder

@@ -359,6 +359,33 @@ def check_context_parallel(
                                 for n, p in module.named_parameters())})
     return results
 
+# %% ../nbs/16_ring.ipynb #211dcc2a
+#| code-fold: true
+#| code-summary: "Code: _check_split_kv"
+def _check_split_kv(queries, keys, values, allowed) -> None:
+    "Raise a clear error unless `split_kv_attention` can take these (see its shapes)."
+    shapes = [tuple(getattr(t, 'shape', ())) for t in (queries, keys, values)]
+    if not (all(len(s) == 4 for s in shapes) and shapes[0][0] == shapes[1][0]
+            and shapes[1][:3] == shapes[2][:3] and shapes[0][3] == shapes[1][3]
+            and shapes[1][1] > 0 and shapes[0][1] % shapes[1][1] == 0):
+        raise ValueError(f"queries (b, heads, T, d), keys (b, kv_heads, S, d) and "
+                         f"values (b, kv_heads, S, d_v), heads a multiple of kv_heads; "
+                         f"got queries {shapes[0]}, keys {shapes[1]}, "
+                         f"values {shapes[2]}")
+    kinds = [f"{t.dtype} on {t.device}" for t in (queries, keys, values)]
+    if len(set(kinds)) > 1 or not queries.is_floating_point():
+        raise TypeError(f"queries, keys and values must share one floating dtype and "
+                        f"device; got {kinds}")
+    if allowed is None: return
+    full = (*shapes[0][:3], shapes[1][2])                    # (b, heads, T, S)
+    if (not isinstance(allowed, Tensor) or allowed.dtype != torch.bool
+            or allowed.dim() > 4 or any(a not in (1, f) for a, f in
+                                        zip(allowed.shape[::-1], full[::-1]))):
+        got = (f"{allowed.dtype} {tuple(allowed.shape)}"
+               if isinstance(allowed, Tensor) else type(allowed).__name__)
+        raise ValueError(f"allowed must be None or a bool tensor broadcastable to "
+                         f"(b, heads, T, S) = {full}; got {got}")
+
 # %% ../nbs/16_ring.ipynb #d7993eba
 def split_kv_attention(
     queries:Tensor, # (b, heads, T, head_dim): T is 1 when decoding
@@ -368,14 +395,7 @@ def split_kv_attention(
     allowed:Tensor|None=None, # bool, broadcastable to (b, heads, T, S): True = attend
 ) -> Tensor: # context vectors (b, heads, T, d_v)
     "softmax(QKᵀ/√d) V from n partial softmaxes over chunks of the keys, merged."
-    shapes = [tuple(getattr(t, 'shape', ())) for t in (queries, keys, values)]
-    if not (all(len(s) == 4 for s in shapes) and shapes[0][0] == shapes[1][0]
-            and shapes[1][:3] == shapes[2][:3] and shapes[0][3] == shapes[1][3]
-            and shapes[0][1] % shapes[1][1] == 0):
-        raise ValueError(f"queries (b, heads, T, d), keys (b, kv_heads, S, d) and "
-                         f"values (b, kv_heads, S, d_v), heads a multiple of kv_heads; "
-                         f"got "
-                         f"queries {shapes[0]}, keys {shapes[1]}, values {shapes[2]}")
+    _check_split_kv(queries, keys, values, allowed)
     check_size(num_splits, 'num_splits')
     (b, h, T, d), (kv, S) = queries.shape, keys.shape[1:3]
     g, chunk = h // kv, -(-S // num_splits)            # query heads per kv head

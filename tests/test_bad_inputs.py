@@ -550,7 +550,38 @@ CASES = {
                        ['window is fixed', 'window=3']),
     'StaticKVCache after cast': (lambda: _static_after_cast(), ValueError,
                                  ['torch.float32', 'torch.float64', 'cache.reset()']),
+    # --- from the second user audit: raw errors or silent acceptance before
+    'block_mask no tokens': (lambda: M.block_mask(M.causal, 0), ValueError, ['num_tokens', 'got 0']),
+    'dense_mask int predicate': (lambda: M.dense_mask(lambda b, h, q, k: (q >= k).int(), 4), TypeError,
+                                 ['mask_mod must return bools', 'torch.int32']),
+    'Unpadded.pack wrong rows': (lambda: _unpadded().pack(torch.zeros(3, 4)), ValueError,
+                                 ["Unpadded.pack's t", '(2, 4, ...)', '(3, 4)']),
+    'Unpadded.unpack wrong length': (lambda: _unpadded().unpack(torch.zeros(1, 4, 3)), ValueError,
+                                     ["Unpadded.unpack's t", '(1, 5, ...)', '(1, 4, 3)']),
+    'varlen_runs neither': (lambda: M.varlen_runs(None, None), ValueError,
+                            ['key_padding_mask or document_ids', 'neither']),
+    'flex_attend None mask': (lambda: M.flex_attend(*[torch.zeros(1, 1, 4, 2)] * 3, None, compiled=False),
+                              TypeError, ['flex_attend', 'NoneType']),
+    'rope_frequencies llama3 without factor': (lambda: RC.rope_frequencies(8, scaling={'rope_type': 'llama3'}),
+                                               ValueError, ['factor', 'missing']),
+    'rope_frequencies linear without factor': (lambda: RC.rope_frequencies(8, scaling={'type': 'linear'}),
+                                               ValueError, ['linear', 'factor', 'None']),
+    'layer_windows no layers': (lambda: RC.layer_windows(0, 4), ValueError, ['num_layers', 'got 0']),
+    'split_kv_attention dtypes': (lambda: R.split_kv_attention(torch.zeros(1, 2, 1, 4, dtype=torch.float64),
+                                                               torch.zeros(1, 2, 6, 4), torch.zeros(1, 2, 6, 4)),
+                                  TypeError, ['one floating dtype', 'torch.float64 on cpu', 'torch.float32 on cpu']),
+    'split_kv_attention allowed float': (lambda: R.split_kv_attention(*[torch.zeros(1, 2, 6, 4)] * 3, 2,
+                                                                      torch.ones(1, 2, 6, 6)),
+                                         ValueError, ['allowed', 'bool', '(1, 2, 6, 6)', 'torch.float32']),
+    'split_kv_attention allowed shape': (lambda: R.split_kv_attention(*[torch.zeros(1, 2, 6, 4)] * 3, 2,
+                                                                      torch.ones(7, dtype=torch.bool)),
+                                         ValueError, ['allowed', '(1, 2, 6, 6)', '(7,)']),
 }
+
+
+def _unpadded():
+    "Two rows of 4 tokens, 3 and 2 of them real."
+    return M.unpad(torch.ones(2, 4, dtype=torch.long), torch.tensor([[0, 0, 0, 1], [0, 0, 1, 1]], dtype=torch.bool))
 
 
 @pytest.mark.parametrize('case', list(CASES))

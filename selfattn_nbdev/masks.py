@@ -395,21 +395,34 @@ def varlen_runs(
     if again: return None  # a document in two runs: varlen cannot say so
     return VarlenRuns(real, cu[:runs + 1].to(torch.int32), longest)  # waited once
 
+def _by_run(
+    q:Tensor, k:Tensor, v:Tensor, # packed (n, heads | kv_heads, head_dim)
+    bounds:list, # where each run starts, then n
+    attend:Callable, # attention on one run: (1, heads, L, hd) each -> (1, heads, L, hd)
+) -> Tensor: # (n, heads, head_dim)
+    "Each run alone through `attend`: no run sees another, no mask spans two."
+    one = lambda t, a, z: t[None, a:z].transpose(1, 2)          # (1, heads, L, hd)
+    return torch.cat([attend(one(q, a, z), one(k, a, z), one(v, a, z))[0].transpose(0, 1)
+                      for a, z in zip(bounds[:-1], bounds[1:])])
+
 def _sdpa_by_run(
     q:Tensor, k:Tensor, v:Tensor, # packed (n, heads | kv_heads, head_dim)
     cu_q:Tensor, cu_k:Tensor, # int32 (runs + 1,): where each run starts
     max_q:int, max_k:int, # the longest run (unused: each run is its own call)
-    *, window_size:tuple=(-1, -1), # (-1, 0): causal within each run
+    *, window_size:tuple=(-1, -1), # (-1, 0): causal in each run; (W - 1, 0): window W
     enable_gqa:bool=False, # k, v have fewer heads than q
     scale:float|None=None, return_aux=None, # varlen_attn's other arguments
 ) -> Tensor: # (n, heads, head_dim)
     "varlen_attn's arguments, on a CPU: SDPA on each run in turn (it has a backward)."
-    bounds = cu_q.tolist()
-    run = lambda t, a, b: t[None, a:b].transpose(1, 2)        # (1, heads, len, hd)
-    return torch.cat([F.scaled_dot_product_attention(
-        run(q, a, b), run(k, a, b), run(v, a, b), is_causal=window_size == (-1, 0),
-        scale=scale, enable_gqa=enable_gqa)[0].transpose(0, 1)
-        for a, b in zip(bounds[:-1], bounds[1:])])
+    left = window_size[0]                  # keys before the query; -1: all of them
+    def sdpa(q, k, v):
+        L = q.shape[2]                     # a window narrower than the run: its band
+        band = (dense_mask(sliding_window(left + 1), L, device=q.device)
+                if 0 <= left < L - 1 else None)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=band, is_causal=band is None and window_size[1] == 0,
+            scale=scale, enable_gqa=enable_gqa)
+    return _by_run(q, k, v, cu_q.tolist(), sdpa)
 
 def _varlen_kernel(device:torch.device) -> Callable: # varlen_attn or its CPU form
     "varlen flash attention on CUDA; on a CPU, the same call as SDPA run by run."
@@ -425,6 +438,7 @@ def varlen_attend(
     causal:bool, # hide the future
     document_ids:Tensor|None=None, # int (b, T): packed documents; or None
     runs:VarlenRuns|None=None, # varlen_runs of the two, if already found
+    window:int|None=None, # causal, and no key `window` or more tokens back in its run
 ) -> Tensor: # context vectors (b, num_heads, T, head_dim); 0 at padded queries
     "Each run of tokens attends within itself, by varlen flash attention."
     varlen_attn = _varlen_kernel(queries.device)
@@ -434,21 +448,32 @@ def varlen_attend(
                          "in its row; one comes back after another (flex_attend "
                          "with documents() takes that)")
     params = _parameters(varlen_attn)  # its arguments changed between releases: ask
-    if 'window_size' not in params: options = dict(is_causal=causal)  # the first form
-    else: options = dict(window_size=(-1, 0) if causal else (-1, -1))
+    if 'window_size' not in params and window is None:
+        options = dict(is_causal=causal)                           # the first form
+    else: options = dict(window_size=(window - 1, 0) if window else
+                         (-1, 0) if causal else (-1, -1))
     group = queries.shape[1] // keys.shape[1]
     if group > 1 and 'enable_gqa' in params: options['enable_gqa'] = True
     elif group > 1:  # no grouped heads in the kernel: repeat the key/value heads
         keys, values = (t.repeat_interleave(group, dim=1) for t in (keys, values))
-    b, heads, T, head_dim = queries.shape
+    cu, longest = runs.cu_seqlens, runs.longest
+    return _in_runs(queries, keys, values, runs, lambda q, k, v: varlen_attn(
+        q, k, v, cu, cu, longest, longest, **options))
+
+def _in_runs(
+    queries:Tensor, keys:Tensor, values:Tensor, # (b, heads | kv_heads, T, head_dim)
+    runs:VarlenRuns, # where the real tokens are, and where each run starts
+    attend:Callable, # packed (n, heads, hd) each -> (n, heads, hd), run by run
+) -> Tensor: # (b, heads, T, head_dim); 0 at padded queries
+    "Lay the real tokens end to end, attend them in their runs, put them back."
+    b, heads, T, _ = queries.shape
     if runs.longest == 0: return torch.zeros_like(queries)  # every token padding
     if runs.real is None:  # no padding: the rows already lie end to end
-        pack = lambda t: t.transpose(1, 2).reshape(b * T, t.shape[1], head_dim)
+        pack = lambda t: t.transpose(1, 2).reshape(b * T, t.shape[1], t.shape[3])
     else: pack = lambda t: t.transpose(1, 2)[runs.real]              # (n, heads, hd)
-    packed = varlen_attn(pack(queries), pack(keys), pack(values), runs.cu_seqlens,
-                         runs.cu_seqlens, runs.longest, runs.longest, **options)
-    if runs.real is None: return packed.view(b, T, heads, head_dim).transpose(1, 2)
-    context = queries.new_zeros(b, T, heads, head_dim)
+    packed = attend(pack(queries), pack(keys), pack(values))
+    if runs.real is None: return packed.view(b, T, heads, -1).transpose(1, 2)
+    context = queries.new_zeros(b, T, heads, packed.shape[-1])
     context[runs.real] = packed
     return context.transpose(1, 2)                                    # (b, h, T, hd)
 
@@ -499,6 +524,12 @@ def _allowed(self:MultiHeadAttention,
 # %% ../nbs/10_masks.ipynb #fa1e9496
 _varlen = {'last': ((), None, None)}  # the runs of the last shared copies
 
+def _cuts_into_runs(window:int|None, key_padding_mask:Tensor|None,
+                    document_ids:Tensor|None, queries:Tensor) -> bool:
+    "Padding or documents, and no window; or a window on a CPU in documents alone."
+    if key_padding_mask is None and document_ids is None: return False
+    return window is None or (not queries.is_cuda and key_padding_mask is None)
+
 def _runs(key_padding_mask:Tensor|None, document_ids:Tensor|None) -> VarlenRuns|None:
     "varlen_runs, found once per forward for the copies a model's blocks share."
     reads = (key_padding_mask, document_ids)
@@ -508,6 +539,16 @@ def _runs(key_padding_mask:Tensor|None, document_ids:Tensor|None) -> VarlenRuns|
     runs = varlen_runs(key_padding_mask, document_ids)
     if versions is not None: _varlen['last'] = (reads, versions, runs)
     return runs
+
+def _each_run(queries:Tensor, keys:Tensor, values:Tensor, # (b, heads, T, head_dim)
+              key_padding_mask:Tensor|None, document_ids:Tensor|None, # the runs
+              attend:Callable, # attention on one run, (1, heads, L, head_dim) each
+             ) -> Tensor|None: # (b, heads, T, head_dim); None: not in runs
+    "Each run alone through `attend`; None if a document comes back, or too many runs."
+    runs = _runs(key_padding_mask, document_ids)
+    if runs is None or len(runs.cu_seqlens) > RUNS_MAX: return None
+    return _in_runs(queries, keys, values, runs, lambda q, k, v: _by_run(
+        q, k, v, runs.cu_seqlens.tolist(), attend))
 
 @patch
 def _attend_masked(self:MultiHeadAttention,
@@ -525,12 +566,13 @@ def _attend_masked(self:MultiHeadAttention,
     ask = lambda runs_only: pick_kernel(
         queries.device.type, True, num_tokens, num_tokens, queries.requires_grad,
         dropout_p, runs_only, half=queries.dtype in (torch.float16, torch.bfloat16))
-    choice = ask(runs_only=self.window is None)
+    choice = ask(runs_only=_cuts_into_runs(self.window, key_padding_mask,
+                                           document_ids, queries))
     if choice == 'varlen':  # the real tokens, packed, in runs
         runs = _runs(key_padding_mask, document_ids)
         if runs is not None and (queries.is_cuda or len(runs.cu_seqlens) <= RUNS_MAX):
             return varlen_attend(queries, keys, values, key_padding_mask,
-                                 self.causal, document_ids, runs)
+                                 self.causal, document_ids, runs, self.window)
         choice = ask(runs_only=False)  # a document in two runs (or too many)
     if choice != 'dense':   # FlexAttention: tiles skipped, no dense mask
         return self._attend_flex(queries, keys, values, key_padding_mask,

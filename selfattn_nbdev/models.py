@@ -355,7 +355,7 @@ def llama_from_hf(
 
 # %% ../nbs/13_pretrained.ipynb #40027174
 class GemmaRMSNorm(nn.Module):
-    "Gemma's RMSNorm: the weight is stored as w and scales by 1 + w, in float32."
+    "Gemma's RMSNorm: the weight is stored as w and scales by 1 + w, in float32 or wider."
     def __init__(self,
                  dim:int, # the size of the vectors it normalises
                  eps:float=1e-6, # added to the mean square (rms_norm_eps)
@@ -364,10 +364,11 @@ class GemmaRMSNorm(nn.Module):
         self.eps, self.weight = eps, nn.Parameter(torch.zeros(dim))   # w = 0: identity
 
     def forward(self, x:Tensor) -> Tensor: # the same shape and dtype as x
-        "x / rms(x) * (1 + w), in float32, back in x's dtype."
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * (1.0 + self.weight.float())).type_as(x)
+        "x / rms(x) * (1 + w), in float32 (float64 stays), back in x's dtype."
+        work = torch.promote_types(x.dtype, torch.float32)  # half precision: float32
+        xw = x.to(work)
+        normed = xw * torch.rsqrt(xw.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.to(work))).type_as(x)
 
 class GeGLU(SwiGLU):
     "Gemma's MLP: SwiGLU with the tanh GELU as its gate."

@@ -397,13 +397,13 @@ def test_flex_attend_makes_room_for_compilations_around_its_own_calls(monkeypatc
     monkeypatch.setitem(masks._flex, 'compiled', (kernel, builder))
     monkeypatch.setitem(masks._flex, 'last', (None, (), None, None))
     before = dynamo_config.recompile_limit
-    q = torch.randn(1, 2, 8, 4)
-    flex_attend(q, q, q, documents(torch.zeros(1, 8, dtype=torch.long)), ('batch',), reads=(q,))
+    q = torch.randn(1, 2, 128, 4)            # one block: compiled Flex runs on a CPU from there
+    flex_attend(q, q, q, documents(torch.zeros(1, 128, dtype=torch.long)), ('batch',), reads=(q,))
     assert seen == [('builder', masks.FLEX_RECOMPILE_LIMIT), ('kernel', masks.FLEX_RECOMPILE_LIMIT)]
     assert dynamo_config.recompile_limit == before                # and put back
     seen.clear()
     with dynamo_config.patch(recompile_limit=100):                # a higher limit of the user's: kept
-        flex_attend(q, q, q, documents(torch.zeros(1, 8, dtype=torch.long)), ('batch',), reads=(q,))
+        flex_attend(q, q, q, documents(torch.zeros(1, 128, dtype=torch.long)), ('batch',), reads=(q,))
     assert seen == [('builder', 100), ('kernel', 100)] and dynamo_config.recompile_limit == before
     seen.clear()
     flex_attend(q, q, q, causal, compiled=False)                  # uncompiled: nothing to make room for

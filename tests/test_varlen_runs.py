@@ -10,9 +10,10 @@ import torch.nn.functional as F
 
 import selfattn_nbdev.masks as masks
 from selfattn_nbdev.generation import TinyGPT
-from selfattn_nbdev.masks import (and_masks, causal, dense_mask, documents, key_padding, unpad, varlen_attend,
-                                  varlen_runs)
-from selfattn_nbdev.pretrained import Llama
+from selfattn_nbdev.masks import (and_masks, causal, dense_mask, documents, key_padding, sliding_window, unpad,
+                                  varlen_attend, varlen_runs)
+from selfattn_nbdev.pretrained import Gemma, Llama
+from selfattn_nbdev.recent import LlamaAttention
 
 from test_mask_paths import _fake_varlen
 
@@ -222,24 +223,8 @@ def test_the_cpu_attends_run_by_run_with_a_backward():
     packed row): an unpadded batch of 1,200 tokens gives the padded batch's loss and gradients; past RUNS_MAX runs,
     the dense mask again."""
     torch.manual_seed(0)
-    model = TinyGPT(32, 512, d_model=16, num_heads=2, num_layers=2).double()
-    lengths = torch.tensor([512, 300, 388])
-    pad = torch.arange(512) >= lengths[:, None]
-    tokens, targets = torch.randint(0, 32, (2, 3, 512)).unbind(0)
-    padded = F.cross_entropy(model(tokens)[~pad], targets[~pad])
-    g_padded = torch.autograd.grad(padded, list(model.parameters()))
-    row = unpad(tokens, pad)
-    assert row.token_ids.shape[1] >= masks.RUNS_MIN_TOKENS
+    _padded_equals_unpadded_run_by_run(TinyGPT(32, 512, d_model=16, num_heads=2, num_layers=2))
     assert masks.pick_kernel('cpu', True, 1200, 1200, True, 0.0, runs_only=True) == 'varlen'
-    picked = []
-    real_pick = masks.pick_kernel
-    masks.pick_kernel = lambda *a, **kw: picked.append(real_pick(*a, **kw)) or picked[-1]
-    try: packed = F.cross_entropy(model(row.token_ids, document_ids=row.document_ids)[0], row.pack(targets)[0])
-    finally: masks.pick_kernel = real_pick
-    assert picked == ['varlen', 'varlen']
-    g_packed = torch.autograd.grad(packed, list(model.parameters()))
-    assert abs(packed.item() - padded.item()) < 1e-12
-    assert max((a - b).abs().max().item() for a, b in zip(g_packed, g_padded)) < 1e-12
     many = torch.arange(1100)[None] // 4                                   # 275 documents of 4 tokens
     assert len(varlen_runs(None, many).cu_seqlens) - 1 > masks.RUNS_MAX
     m = masks.MultiHeadAttention(8, 8, 1100, num_heads=2).double()
@@ -268,3 +253,69 @@ def test_the_cpu_kernel_itself(is_causal, padded):
     w = torch.randn(ours.shape, generator=g, dtype=torch.float64)
     grads = [torch.autograd.grad((out * w).sum(), (q, k, v)) for out in (ours, ref)]
     assert max((a - c).abs().max().item() for a, c in zip(*grads)) < 1e-12
+
+
+@pytest.mark.parametrize('window', [1, 3, 8, 64])
+def test_the_cpu_kernel_with_a_window(window):
+    "A window goes run by run too, as flash attention's window_size (W - 1, 0): forward and backward against the dense mask."
+    b, T = 3, 30
+    _, ids = _random_batch(11, b, T, padded=False)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(b, 4, T, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(b, 2, T, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    ours = varlen_attend(q, k, v, None, True, ids, window=window)
+    allowed = dense_mask(and_masks(sliding_window(window), documents(ids)), T, batch=b)
+    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=allowed)
+    assert (ours - ref).abs().max() < 1e-12
+    w = torch.randn(ours.shape, generator=g, dtype=torch.float64)
+    grads = [torch.autograd.grad((out * w).sum(), (q, k, v)) for out in (ours, ref)]
+    assert max((a - c).abs().max().item() for a, c in zip(*grads)) < 1e-12
+
+
+
+
+@pytest.mark.parametrize('family', ['llama window', 'gemma softcap'])
+def test_unpadded_training_with_a_window_or_a_cap_goes_run_by_run(family):
+    """A window, a soft cap and local/global blocks, unpadded on a CPU: each document alone (no n x n mask over the
+    packed row), the padded batch's loss and gradients."""
+    torch.manual_seed(0)
+    if family == 'llama window':
+        model = Llama(32, 512, d_model=16, num_heads=4, num_layers=2, num_kv_heads=2, d_hidden=24, window=40)
+    else:
+        model = Gemma(32, 512, d_model=16, num_heads=4, num_layers=2, num_kv_heads=2, d_hidden=24, head_dim=8,
+                      window=40, layer_types=['sliding_attention', 'full_attention'], softcap=20.0,
+                      final_softcap=30.0, qk_norm=True)
+    _padded_equals_unpadded_run_by_run(model)
+
+
+def test_sinks_go_run_by_run_as_each_document_alone():
+    torch.manual_seed(0)
+    m = LlamaAttention(16, 1100, num_heads=4, num_kv_heads=2, sinks=True, window=50).double()
+    with torch.no_grad(): m.sinks.normal_()
+    ids = torch.repeat_interleave(torch.arange(5), torch.tensor([400, 3, 300, 97, 300]))[None]
+    x = torch.randn(1, 1100, 16, dtype=torch.float64)
+    with torch.no_grad():
+        alone = torch.cat([m(part) for part in x.split([400, 3, 300, 97, 300], dim=1)], dim=1)
+        assert (m(x, document_ids=ids) - alone).abs().max() < 1e-12
+
+
+def _padded_equals_unpadded_run_by_run(model):
+    """Three right-padded rows of 512 (1,200 real tokens), in float64: the unpadded row takes SDPA (or the explicit
+    path) run by run in both blocks, and gives the padded batch's loss and gradients."""
+    import selfattn_nbdev.recent as recent
+    model = model.double()
+    pad = torch.arange(512) >= torch.tensor([512, 300, 388])[:, None]
+    tokens, targets = torch.randint(0, 32, (2, 3, 512)).unbind(0)
+    padded = F.cross_entropy(model(tokens)[~pad], targets[~pad])
+    g_padded = torch.autograd.grad(padded, list(model.parameters()))
+    row = unpad(tokens, pad)
+    assert row.token_ids.shape[1] >= masks.RUNS_MIN_TOKENS
+    picked, real_pick = [], masks.pick_kernel
+    with pytest.MonkeyPatch.context() as mp:
+        for module in (masks, recent):
+            mp.setattr(module, 'pick_kernel', lambda *a, **kw: picked.append(real_pick(*a, **kw)) or picked[-1])
+        packed = F.cross_entropy(model(row.token_ids, document_ids=row.document_ids)[0], row.pack(targets)[0])
+    assert picked == ['varlen', 'varlen'], picked
+    g_packed = torch.autograd.grad(packed, list(model.parameters()))
+    assert abs(packed.item() - padded.item()) < 1e-12
+    assert max((a - b).abs().max().item() for a, b in zip(g_packed, g_padded)) < 1e-12

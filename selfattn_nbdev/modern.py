@@ -273,14 +273,14 @@ def _shared_table(module:nn.Module, # keeps the table it is given: _rope_cache
     if (table is not None and table[0].shape[0] >= num_positions
             and table[0].device == like.device and table[0].dtype == dtype):
         return table
+    if torch.compiler.is_compiling():  # the graph makes the rows it needs, keeps none:
+        return make(num_positions, dtype)  # a table kept would trace the graph again
     n = max(num_positions, module.context_length)
     key = (*key, n, like.device, dtype)
-    if torch.compiler.is_compiling(): cos, sin = make(n, dtype)  # the module's alone
-    else:
-        cos, sin = _TABLES.get((key, 0)), _TABLES.get((key, 1))
-        if cos is None or sin is None:
-            cos, sin = make(n, dtype)
-            _TABLES[key, 0], _TABLES[key, 1] = cos, sin
+    cos, sin = _TABLES.get((key, 0)), _TABLES.get((key, 1))
+    if cos is None or sin is None:
+        cos, sin = make(n, dtype)
+        _TABLES[key, 0], _TABLES[key, 1] = cos, sin
     module._rope_cache = cos, sin
     return cos, sin
 

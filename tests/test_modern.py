@@ -172,6 +172,25 @@ def test_gradients_flow_and_compile_matches_eager():
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in m.parameters())
 
 
+@pytest.mark.slow  # inductor compiles a training step for about 8 s
+@pytest.mark.no_cover
+def test_a_compiled_training_step_compiles_once():
+    """The first compiled forward used to build the RoPE table and keep it on the module: the next call met a table
+    the graph had not seen and compiled everything again. Inside a graph the rows it needs are made and kept nowhere."""
+    from torch._dynamo.utils import counters
+    from selfattn_nbdev.models import Llama
+    torch._dynamo.reset(); counters.clear()
+    torch.manual_seed(0)
+    m = Llama(32, 64, d_model=32, num_heads=4, num_layers=2, num_kv_heads=2)
+    x = torch.randint(0, 32, (2, 16))
+    step = torch.compile(m)
+    for _ in range(3): step(x).sum().backward()
+    assert counters['stats']['unique_graphs'] == 1, dict(counters['stats'])
+    compiled_grads = [p.grad.clone() for p in m.parameters()]
+    m.zero_grad(); m(x).sum().backward()
+    assert max((a / 3 - p.grad).abs().max().item() for a, p in zip(compiled_grads, m.parameters())) < 1e-4
+
+
 @pytest.mark.parametrize('kwargs,error,message', [
     (dict(num_kv_heads=3), ValueError, 'num_kv_heads must divide num_heads'),
     (dict(num_kv_heads=0), ValueError, 'num_kv_heads must be a positive integer'),

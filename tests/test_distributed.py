@@ -175,6 +175,7 @@ def torchrun(tmp_path, name: str, source: str, ranks: int, line: str) -> list:
                           '--master-port', str(free_port()), name], cwd=tmp_path, env=env, capture_output=True,
                          text=True, timeout=240)
     assert res.returncode == 0, res.stderr[-3000:]
+    assert 'unwaited collective' not in res.stderr, res.stderr[-3000:]   # every result used before the end
     # the ranks print at once into one pipe: their lines may interleave, so each is found where it is
     found = sorted(re.findall(line, res.stdout))
     assert found, f'no line matching {line!r} in:\n{res.stdout[-3000:]}'
@@ -188,9 +189,10 @@ def test_the_pages_torchrun_scripts_run_as_shown(tmp_path):
     assert sorted(shown) == ['hello_ranks.py', 'split_heads.py']
     assert torchrun(tmp_path, 'hello_ranks.py', shown['hello_ranks.py'], 4, r'rank \d+ of \d+: sum of ranks \d+') == [
         f'rank {r} of 4: sum of ranks 6' for r in range(4)]
-    assert torchrun(tmp_path, 'split_heads.py', shown['split_heads.py'], 2,
-                    r'rank \d+: \d+ heads, output \([\d, ]+\)') == [
-        f'rank {r}: 2 heads, output (2, 8, 32)' for r in range(2)]
+    found = torchrun(tmp_path, 'split_heads.py', shown['split_heads.py'], 2,
+                     r'rank \d+: \d+ heads, output \([\d, ]+\), sum -?[\d.]+')
+    assert [line.split(', sum')[0] for line in found] == [f'rank {r}: 2 heads, output (2, 8, 32)' for r in range(2)]
+    assert len({line.split(', sum')[1] for line in found}) == 1        # every rank holds the whole output
 
 
 def test_tensor_parallel_refuses_sinks_it_would_not_split():

@@ -73,16 +73,19 @@ def _as_dtype(dtype) -> torch.dtype|None: # a floating dtype, or None
     raise TypeError(f"dtype must be a floating torch.dtype, its name (\"bfloat16\") "
                     f"or \"auto\"; got {dtype!r}")
 
+def _checkpoint_files(folder:Path) -> tuple: # config, weights, the shards' index
+    "The files a Hugging Face checkpoint folder holds, by the names transformers uses."
+    return (folder / "config.json", folder / "model.safetensors",
+            folder / "model.safetensors.index.json")
+
 def read_checkpoint(
     source, # a .safetensors file, or a folder with model.safetensors or its index
 ) -> tuple: # ({name: tensor}, config.json as a dict, or None when there is none)
     "The tensors of a `.safetensors` file or checkpoint folder, and the config beside."
     path = Path(source)
     folder = path if path.is_dir() else path.parent
-    config_file = folder / "config.json"
+    config_file, single, index = _checkpoint_files(folder)
     config = json.loads(config_file.read_text()) if config_file.exists() else None
-    index = folder / "model.safetensors.index.json"
-    single = folder / "model.safetensors"
     if not path.is_dir():
         if path.suffix != ".safetensors" or not path.is_file():
             raise FileNotFoundError(f"source must be a state dict, a .safetensors file "
@@ -222,17 +225,16 @@ def _ready_folder(
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
         raise NotADirectoryError(f"folder must be a directory; {folder} is a file")
-    index = folder / "model.safetensors.index.json"
-    held = [p.name for p in (folder / "config.json", folder / "model.safetensors",
-                             index) if p.exists()]
+    files = _checkpoint_files(folder)
+    held = [p.name for p in files if p.exists()]
     if held and not overwrite:
         raise FileExistsError(f"{folder} already holds {', '.join(held)}: pass "
                               f"overwrite=True to replace that checkpoint")
     folder.mkdir(parents=True, exist_ok=True)
-    if index.exists():  # sharded: from_hf would read the old shards, not the new file
-        for shard in set(json.loads(index.read_text())["weight_map"].values()):
+    if files[2].exists():  # sharded: from_hf would read the old shards, not the new one
+        for shard in set(json.loads(files[2].read_text())["weight_map"].values()):
             if Path(shard).name == shard: (folder / shard).unlink(missing_ok=True)
-        index.unlink()
+        files[2].unlink()
     return folder
 
 # %% ../nbs/14_checkpoints.ipynb #f28138a6
@@ -249,11 +251,10 @@ def save_hf(
                          "keeps one): pass the config.json the model was built from")
     build, sizes, prefix, weight_map = _family(config)
     _check_described(model, build, sizes)        # every tensor has its place
-    folder = _ready_folder(folder, overwrite)     # nothing older left to read
-    write_safetensors(folder / "model.safetensors",
-                      to_hf_state_dict(model, weight_map, prefix))
+    config_file, weights, _ = _checkpoint_files(_ready_folder(folder, overwrite))
+    write_safetensors(weights, to_hf_state_dict(model, weight_map, prefix))
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     config = {**config, "dtype": dtype}  # transformers 4 names it torch_dtype
     if "torch_dtype" in config: config["torch_dtype"] = dtype
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
-    return folder
+    config_file.write_text(json.dumps(config, indent=2))
+    return config_file.parent

@@ -304,13 +304,12 @@ def context_parallel(
     weight = module.W_query.weight
     check_tokens(x, module.d_in, weight.dtype, weight.device)
     refused = {'window': module.window, 'softcap': getattr(module, 'softcap', None),
-               'sinks': getattr(module, 'sinks', None),  # a later page's scores
-               'dropout': module.dropout.p if module.training else 0}
-    for name, value in refused.items():
-        if value is not None and (name != 'dropout' or value > 0):
-            got = 'a logit per head' if name == 'sinks' else value
+               'sinks': getattr(module, 'sinks', None) is not None or None,  # a logit
+               'dropout': (module.dropout.p if module.training else 0) or None}
+    for name, value in refused.items():  # None: not used by this module
+        if value is not None:
             raise ValueError(f"context_parallel runs causal or full attention without "
-                             f"{name}; got {name}={got} (training={module.training})")
+                             f"{name}; got {name}={value} (training={module.training})")
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     chunks, num_local = len(sequence_chunks(rank, size, order)), x.shape[-2]
     if num_local == 0 or num_local % chunks:

@@ -115,7 +115,7 @@ def test_context_parallel_refuses_scores_the_ring_does_not_compute():
     x = torch.randn(1, 8, 16)
     with pytest.raises(ValueError, match='without softcap; got softcap=1.0'):
         context_parallel(LlamaAttention(16, 8, num_heads=4, num_kv_heads=2, softcap=1.0), x)
-    with pytest.raises(ValueError, match='without sinks; got sinks=a logit per head'):
+    with pytest.raises(ValueError, match='without sinks; got sinks=True'):
         context_parallel(LlamaAttention(16, 8, num_heads=4, num_kv_heads=2, sinks=True), x)
     for rank in (2, -1, 1.0, True):   # a rank outside the world gave another rank's chunks
         with pytest.raises(ValueError, match=r'rank must be an int in \[0, world_size=2\)'):

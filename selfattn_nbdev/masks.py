@@ -526,9 +526,11 @@ _varlen = {'last': ((), None, None)}  # the runs of the last shared copies
 
 def _cuts_into_runs(window:int|None, key_padding_mask:Tensor|None,
                     document_ids:Tensor|None, queries:Tensor) -> bool:
-    "Padding or documents, and no window; or a window on a CPU in documents alone."
+    "Padding or documents, no window; or a window in documents on a CPU, Flex aside."
     if key_padding_mask is None and document_ids is None: return False
-    return window is None or (not queries.is_cuda and key_padding_mask is None)
+    if window is None: return True    # Flex skips the tiles a window leaves out:
+    flex = not queries.requires_grad and queries.shape[2] >= FLEX_MIN_TOKENS['cpu']
+    return not (queries.is_cuda or flex) and key_padding_mask is None
 
 def _runs(key_padding_mask:Tensor|None, document_ids:Tensor|None) -> VarlenRuns|None:
     "varlen_runs, found once per forward for the copies a model's blocks share."

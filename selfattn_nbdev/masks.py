@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['EMPTY', 'PARTIAL', 'FULL', 'FLEX_MODES', 'FLEX_MIN_TOKENS', 'FLEX_SHORTEST', 'FLEX_BLOCK_MASKS', 'RUNS_MIN_TOKENS',
-           'RUNS_MAX', 'FLEX_RECOMPILE_LIMIT', 'causal', 'sliding_window', 'key_padding', 'documents',
+           'RUNS_MAX', 'RUN_WORTH', 'FLEX_RECOMPILE_LIMIT', 'causal', 'sliding_window', 'key_padding', 'documents',
            'document_positions', 'and_masks', 'or_masks', 'dense_mask', 'TileMask', 'block_mask', 'flex_mode',
            'pick_kernel', 'flex_attend', 'VarlenRuns', 'varlen_runs', 'varlen_attend', 'Unpadded', 'unpad']
 
@@ -214,6 +214,7 @@ FLEX_SHORTEST = {'cpu': 128}  # 'compiled' too: torch 2.13's compiled CPU kernel
                               # wrong below one block (NaN at 40 tokens, head_dim 16)
 FLEX_BLOCK_MASKS = 32  # block masks kept, the least recently used given up first
 RUNS_MIN_TOKENS, RUNS_MAX = 1024, 256  # a CPU attends run by run: from, at most
+RUN_WORTH = 2 ** 14  # and at most n² / RUN_WORTH runs of n tokens: a call must pay
 _modes = threading.local()  # each thread its own flex_mode ('auto' until it sets one)
 _flex = {'compiled': None, 'block_masks': collections.OrderedDict(),
          'last': (None, (), None, None),  # the last per-batch block mask
@@ -402,8 +403,8 @@ def _by_run(
 ) -> Tensor: # (n, heads, head_dim)
     "Each run alone through `attend`: no run sees another, no mask spans two."
     one = lambda t, a, z: t[None, a:z].transpose(1, 2)          # (1, heads, L, hd)
-    return torch.cat([attend(one(q, a, z), one(k, a, z), one(v, a, z))[0].transpose(0, 1)
-                      for a, z in zip(bounds[:-1], bounds[1:])])
+    return torch.cat([attend(one(q, a, z), one(k, a, z), one(v, a, z))[0]
+                      .transpose(0, 1) for a, z in zip(bounds[:-1], bounds[1:])])
 
 def _sdpa_by_run(
     q:Tensor, k:Tensor, v:Tensor, # packed (n, heads | kv_heads, head_dim)
@@ -442,6 +443,9 @@ def varlen_attend(
 ) -> Tensor: # context vectors (b, num_heads, T, head_dim); 0 at padded queries
     "Each run of tokens attends within itself, by varlen flash attention."
     varlen_attn = _varlen_kernel(queries.device)
+    if window is not None:  # as a module's window: a positive int, causal
+        check_size(window, 'window')
+        if causal is not True: raise ValueError(f"window={window} needs causal=True")
     if runs is None: runs = varlen_runs(key_padding_mask, document_ids)
     if runs is None:
         raise ValueError("document_ids must give each document one run of tokens "
@@ -542,13 +546,18 @@ def _runs(key_padding_mask:Tensor|None, document_ids:Tensor|None) -> VarlenRuns|
     if versions is not None: _varlen['last'] = (reads, versions, runs)
     return runs
 
+def _few_runs(runs:VarlenRuns) -> bool: # few enough to attend one call each
+    "At most RUNS_MAX runs, and n² / RUN_WORTH: a call per run must save its cost."
+    count, n = len(runs.cu_seqlens) - 1, int(runs.cu_seqlens[-1])
+    return count <= min(RUNS_MAX, n * n // RUN_WORTH)
+
 def _each_run(queries:Tensor, keys:Tensor, values:Tensor, # (b, heads, T, head_dim)
               key_padding_mask:Tensor|None, document_ids:Tensor|None, # the runs
               attend:Callable, # attention on one run, (1, heads, L, head_dim) each
              ) -> Tensor|None: # (b, heads, T, head_dim); None: not in runs
     "Each run alone through `attend`; None if a document comes back, or too many runs."
     runs = _runs(key_padding_mask, document_ids)
-    if runs is None or len(runs.cu_seqlens) > RUNS_MAX: return None
+    if runs is None or not _few_runs(runs): return None
     return _in_runs(queries, keys, values, runs, lambda q, k, v: _by_run(
         q, k, v, runs.cu_seqlens.tolist(), attend))
 
@@ -572,7 +581,7 @@ def _attend_masked(self:MultiHeadAttention,
                                            document_ids, queries))
     if choice == 'varlen':  # the real tokens, packed, in runs
         runs = _runs(key_padding_mask, document_ids)
-        if runs is not None and (queries.is_cuda or len(runs.cu_seqlens) <= RUNS_MAX):
+        if runs is not None and (queries.is_cuda or _few_runs(runs)):
             return varlen_attend(queries, keys, values, key_padding_mask,
                                  self.causal, document_ids, runs, self.window)
         choice = ask(runs_only=False)  # a document in two runs (or too many)

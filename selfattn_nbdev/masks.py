@@ -529,11 +529,13 @@ def _allowed(self:MultiHeadAttention,
 _varlen = {'last': ((), None, None)}  # the runs of the last shared copies
 
 def _cuts_into_runs(window:int|None, key_padding_mask:Tensor|None,
-                    document_ids:Tensor|None, queries:Tensor) -> bool:
+                    document_ids:Tensor|None, queries:Tensor,
+                    flex:bool=True) -> bool: # flex: the module can use Flex
     "Padding or documents, no window; or a window in documents on a CPU, Flex aside."
     if key_padding_mask is None and document_ids is None: return False
     if window is None: return True    # Flex skips the tiles a window leaves out:
-    flex = not queries.requires_grad and queries.shape[2] >= FLEX_MIN_TOKENS['cpu']
+    flex = (flex and not queries.requires_grad
+            and queries.shape[2] >= FLEX_MIN_TOKENS['cpu'])
     return not (queries.is_cuda or flex) and key_padding_mask is None
 
 def _runs(key_padding_mask:Tensor|None, document_ids:Tensor|None) -> VarlenRuns|None:

@@ -204,7 +204,7 @@ def _attend_scored(self:LlamaAttention, queries, keys, values, key_padding_mask=
         queries.device.type, True, T, S, queries.requires_grad,
         self.dropout.p if self.training else 0.0, runs_only, half)
     choice = ask(not queries.is_cuda and _cuts_into_runs(  # a CPU: each run, explicit
-        self.window, key_padding_mask, document_ids, queries))
+        self.window, key_padding_mask, document_ids, queries, self.sinks is None))
     if choice == 'varlen':
         context = _each_run(queries, keys, values, key_padding_mask, document_ids,
                             lambda q, k, v: self._attend_explicit(q, k, v)[0])

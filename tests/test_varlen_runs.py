@@ -353,3 +353,16 @@ def test_varlen_attend_checks_its_window_as_a_module_does():
             varlen_attend(q, q, q, None, True, ids, window=bad)
     with pytest.raises(ValueError, match='window=3 needs causal=True'):
         varlen_attend(q, q, q, None, False, ids, window=3)
+
+
+def test_sinks_with_a_window_go_by_run_where_flex_would_have_run():
+    "Sinks are no score function, so Flex never takes them: a long window in documents goes by run, not n x n."
+    torch.manual_seed(0)
+    m = LlamaAttention(16, 4096, num_heads=2, sinks=True, window=16).double().eval()
+    ids = torch.repeat_interleave(torch.arange(2), 2048)[None]
+    x = torch.randn(1, 4096, 16, dtype=torch.float64)
+    assert masks._cuts_into_runs(16, None, ids, x[:, None], flex=False)
+    assert not masks._cuts_into_runs(16, None, ids, x[:, None])          # a soft cap alone: Flex's score_mod
+    with torch.no_grad():
+        alone = torch.cat([m(part) for part in x.split(2048, dim=1)], dim=1)
+        assert (m(x, document_ids=ids) - alone).abs().max() < 1e-12

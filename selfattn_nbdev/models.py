@@ -355,7 +355,7 @@ def llama_from_hf(
 
 # %% ../nbs/13_pretrained.ipynb #40027174
 class GemmaRMSNorm(nn.Module):
-    "Gemma's RMSNorm: the weight is stored as w and scales by 1 + w, in float32 or wider."
+    "Gemma's RMSNorm: the weight is stored as w, scales by 1 + w; float32 or wider."
     def __init__(self,
                  dim:int, # the size of the vectors it normalises
                  eps:float=1e-6, # added to the mean square (rms_norm_eps)

@@ -131,7 +131,7 @@ def _family(config:dict) -> tuple: # build, its keyword arguments, prefix, weigh
 # %% ../nbs/14_checkpoints.ipynb #3ac74208
 def from_hf(
     source, # a state dict, a .safetensors file, or a checkpoint folder
-    config:dict|None=None, # config.json as a dict; None: the one beside the files
+    config=None, # config.json as a dict, or transformers' config; None: the one beside
     dtype:torch.dtype|str|None=None, # None or "auto": the checkpoint's own
     device=None, # None: the CPU, with the weights left in the mapped files
 ) -> nn.Module: # GPT2, Llama (Llama, Mistral, Qwen...), Gemma, DeepSeekV3; eval
@@ -147,6 +147,7 @@ def from_hf(
     if config is None:
         raise ValueError("config is None and no config.json is beside the weights: "
                          "pass config.json's contents")
+    if hasattr(config, "to_dict"): config = config.to_dict()  # a transformers config
     build, sizes, prefix, weight_map = _family(config)  # on model_type: GPT2, Llama...
     with torch.device("meta"): model = build(**sizes)    # shapes only: no memory
     load_hf_state_dict(model, state_dict, weight_map, prefix, assign=True)

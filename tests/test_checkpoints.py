@@ -446,6 +446,17 @@ def test_read_checkpoint_returns_the_config(tmp_path):
     assert isinstance(from_hf(tmp_path), GPT2)
 
 
+def test_from_hf_takes_a_transformers_config_as_it_is():
+    "A model's own config object (what `model.config` holds) is read as its dict: the same model, the same logits."
+    torch.manual_seed(0)
+    theirs = LlamaForCausalLM(LlamaConfig(**SMALL)).eval()
+    a, b = from_hf(theirs.state_dict(), theirs.config), from_hf(theirs.state_dict(), theirs.config.to_dict())
+    token_ids = torch.randint(0, SMALL['vocab_size'], (1, 9))
+    with torch.no_grad(): assert torch.equal(a(token_ids), b(token_ids))
+    assert a.hf_config == theirs.config.to_dict()
+    with pytest.raises(TypeError, match='config must be a dict'): from_hf(theirs.state_dict(), ['not', 'a', 'config'])
+
+
 def test_deepseek_refuses_routed_experts_and_the_rest_by_name():
     "MoE is not attention: a DeepSeek-V3 config with routed experts is refused, naming the setting and its value."
     config = DeepseekV3Config(**DEEPSEEK).to_dict()

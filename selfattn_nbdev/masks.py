@@ -529,14 +529,10 @@ def _allowed(self:MultiHeadAttention,
 _varlen = {'last': ((), None, None)}  # the runs of the last shared copies
 
 def _cuts_into_runs(window:int|None, key_padding_mask:Tensor|None,
-                    document_ids:Tensor|None, queries:Tensor,
-                    flex:bool=True) -> bool: # flex: the module can use Flex
-    "Padding or documents, no window; or a window in documents on a CPU, Flex aside."
+                    document_ids:Tensor|None, queries:Tensor) -> bool:
+    "Padding or documents; with a window, documents alone on a CPU (distances kept)."
     if key_padding_mask is None and document_ids is None: return False
-    if window is None: return True    # Flex skips the tiles a window leaves out:
-    flex = (flex and not queries.requires_grad
-            and queries.shape[2] >= FLEX_MIN_TOKENS['cpu'])
-    return not (queries.is_cuda or flex) and key_padding_mask is None
+    return window is None or (not queries.is_cuda and key_padding_mask is None)
 
 def _runs(key_padding_mask:Tensor|None, document_ids:Tensor|None) -> VarlenRuns|None:
     "varlen_runs, found once per forward for the copies a model's blocks share."
@@ -564,6 +560,14 @@ def _each_run(queries:Tensor, keys:Tensor, values:Tensor, # (b, heads, T, head_d
         q, k, v, runs.cu_seqlens.tolist(), attend))
 
 @patch
+def _pick(self:MultiHeadAttention, queries:Tensor, num_keys:int,
+          runs_only:bool) -> str: # pick_kernel's answer
+    "`pick_kernel` for these queries, with this module's dropout."
+    return pick_kernel(queries.device.type, True, queries.shape[2], num_keys,
+                       queries.requires_grad, self.dropout.p if self.training else 0.0,
+                       runs_only, half=queries.dtype in (torch.float16, torch.bfloat16))
+
+@patch
 def _attend_masked(self:MultiHeadAttention,
                    queries:Tensor, # (b, num_heads, num_tokens, head_dim)
                    keys:Tensor,    # (b, num_kv_heads, num_tokens, head_dim)
@@ -575,18 +579,17 @@ def _attend_masked(self:MultiHeadAttention,
     plain = key_padding_mask is None and document_ids is None
     if plain and self.window is None:  # causal or nothing: SDPA's flag, no mask
         return self._attend_fused(queries, keys, values)
-    num_tokens, dropout_p = queries.shape[2], self.dropout.p if self.training else 0.0
-    ask = lambda runs_only: pick_kernel(
-        queries.device.type, True, num_tokens, num_tokens, queries.requires_grad,
-        dropout_p, runs_only, half=queries.dtype in (torch.float16, torch.bfloat16))
-    choice = ask(runs_only=_cuts_into_runs(self.window, key_padding_mask,
-                                           document_ids, queries))
+    num_tokens = queries.shape[2]
+    by_run = _cuts_into_runs(self.window, key_padding_mask, document_ids, queries)
+    choice = self._pick(queries, num_tokens, runs_only=by_run and self.window is None)
+    if choice == 'dense' and by_run:  # a window too: runs cost less than the mask
+        choice = self._pick(queries, num_tokens, runs_only=True)
     if choice == 'varlen':  # the real tokens, packed, in runs
         runs = _runs(key_padding_mask, document_ids)
         if runs is not None and (queries.is_cuda or _few_runs(runs)):
             return varlen_attend(queries, keys, values, key_padding_mask,
                                  self.causal, document_ids, runs, self.window)
-        choice = ask(runs_only=False)  # a document in two runs (or too many)
+        choice = self._pick(queries, num_tokens, runs_only=False)  # or too many runs
     if choice != 'dense':   # FlexAttention: tiles skipped, no dense mask
         return self._attend_flex(queries, keys, values, key_padding_mask,
                                  document_ids, compiled=choice == 'flex')

@@ -226,16 +226,16 @@ def _ready_folder(
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
         raise NotADirectoryError(f"folder must be a directory; {folder} is a file")
-    files = _checkpoint_files(folder)
-    held = [p.name for p in files if p.exists()]
+    config_file, weights, index = _checkpoint_files(folder)
+    held = [p.name for p in (config_file, weights, index) if p.exists()]
     if held and not overwrite:
         raise FileExistsError(f"{folder} already holds {', '.join(held)}: pass "
                               f"overwrite=True to replace that checkpoint")
     folder.mkdir(parents=True, exist_ok=True)
-    if files[2].exists():  # sharded: from_hf would read the old shards, not the new one
-        for shard in set(json.loads(files[2].read_text())["weight_map"].values()):
+    if index.exists():  # sharded: from_hf would read the old shards, not the new file
+        for shard in set(json.loads(index.read_text())["weight_map"].values()):
             if Path(shard).name == shard: (folder / shard).unlink(missing_ok=True)
-        files[2].unlink()
+        index.unlink()
     return folder
 
 # %% ../nbs/14_checkpoints.ipynb #f28138a6

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from .core import check_flag, check_size, patch
-from .masks import _cuts_into_runs, _each_run, pick_kernel
+from .masks import _cuts_into_runs, _each_run
 from .multihead import MultiHeadAttention
 from .modern import _shared_table, repeat_kv, rope_rotate
 
@@ -198,18 +198,16 @@ def soft_cap_mod(cap:float) -> Callable: # (s, b, h, q_idx, kv_idx) -> cap tanh(
 def _attend_scored(self:LlamaAttention, queries, keys, values, key_padding_mask=None,
                    document_ids=None) -> Tensor: # context (b, heads, T, head_dim)
     "The cap as Flex's score_mod where Flex pays; sinks, and the rest, explicit."
-    (T, S), half = (queries.shape[2], keys.shape[2]), queries.dtype in (
-        torch.float16, torch.bfloat16)
-    ask = lambda runs_only: pick_kernel(
-        queries.device.type, True, T, S, queries.requires_grad,
-        self.dropout.p if self.training else 0.0, runs_only, half)
-    choice = ask(not queries.is_cuda and _cuts_into_runs(  # a CPU: each run, explicit
-        self.window, key_padding_mask, document_ids, queries, self.sinks is None))
+    T, S = queries.shape[2], keys.shape[2]
+    choice = self._pick(queries, S, runs_only=False)
+    if ((choice == 'dense' or self.sinks is not None) and not queries.is_cuda and
+            _cuts_into_runs(self.window, key_padding_mask, document_ids, queries)):
+        choice = self._pick(queries, S, runs_only=True)  # each run alone, explicit
     if choice == 'varlen':
         context = _each_run(queries, keys, values, key_padding_mask, document_ids,
                             lambda q, k, v: self._attend_explicit(q, k, v)[0])
         if context is not None: return context
-        choice = ask(False)                      # a document in two runs, or many
+        choice = self._pick(queries, S, runs_only=False)  # a document in two runs
     mask_mod = self._mask_mod(key_padding_mask, document_ids)
     if self.sinks is None and mask_mod is not None and choice.startswith('flex'):
         return self._attend_flex(queries, keys, values, key_padding_mask, document_ids,

@@ -302,7 +302,6 @@ def test_sinks_go_run_by_run_as_each_document_alone():
 def _padded_equals_unpadded_run_by_run(model):
     """Three right-padded rows of 512 (1,200 real tokens), in float64: the unpadded row takes SDPA (or the explicit
     path) run by run in both blocks, and gives the padded batch's loss and gradients."""
-    import selfattn_nbdev.recent as recent
     model = model.double()
     pad = torch.arange(512) >= torch.tensor([512, 300, 388])[:, None]
     tokens, targets = torch.randint(0, 32, (2, 3, 512)).unbind(0)
@@ -310,28 +309,44 @@ def _padded_equals_unpadded_run_by_run(model):
     g_padded = torch.autograd.grad(padded, list(model.parameters()))
     row = unpad(tokens, pad)
     assert row.token_ids.shape[1] >= masks.RUNS_MIN_TOKENS
-    picked, real_pick = [], masks.pick_kernel
+    picked, runs, real_pick, real_by_run = [], [], masks.pick_kernel, masks._by_run
     with pytest.MonkeyPatch.context() as mp:
-        for module in (masks, recent):
-            mp.setattr(module, 'pick_kernel', lambda *a, **kw: picked.append(real_pick(*a, **kw)) or picked[-1])
+        mp.setattr(masks, 'pick_kernel', lambda *a, **kw: picked.append(real_pick(*a, **kw)) or picked[-1])
+        mp.setattr(masks, '_by_run', lambda *a: runs.append(1) or real_by_run(*a))
         packed = F.cross_entropy(model(row.token_ids, document_ids=row.document_ids)[0], row.pack(targets)[0])
-    assert picked == ['varlen', 'varlen'], picked
+    assert picked.count('varlen') == 2 and len(runs) == 2, picked   # both blocks, run by run
     g_packed = torch.autograd.grad(packed, list(model.parameters()))
     assert abs(packed.item() - padded.item()) < 1e-12
     assert max((a - b).abs().max().item() for a, b in zip(g_packed, g_padded)) < 1e-12
 
 
+def _route(m, x, **kw):
+    "Which way a module's masked attention went: 'runs', 'flex' (not run here) or 'dense'."
+    went, real_by_run = [], masks._by_run
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(masks, '_by_run', lambda *a: went.append('runs') or real_by_run(*a))
+        mp.setattr(masks.MultiHeadAttention, '_attend_flex',
+                   lambda self, q, *a, **k: went.append('flex') or torch.zeros_like(q))
+        m(x, **kw)
+    return went[0] if went else 'dense'
+
+
 def test_a_window_goes_run_by_run_only_where_flex_would_not_run():
     """Run by run, a window costs each document's whole square; compiled Flex skips the tiles outside the window
     (8,192 tokens in 2 documents, window 256, inference: 2.0 s by run, 0.64 s Flex, on 2 CPU cores). So a window goes
-    by run where Flex would not: a backward on a CPU, or texts shorter than FLEX_MIN_TOKENS (the dense mask else)."""
-    long, ids = torch.zeros(1, 2, 4096, 4), torch.zeros(1, 4096, dtype=torch.long)
-    assert not masks._cuts_into_runs(8, None, ids, long)                      # inference: Flex
-    assert masks._cuts_into_runs(8, None, ids, long.clone().requires_grad_())  # a backward: no CPU Flex
-    short, pad = torch.zeros(1, 2, 2048, 4), torch.zeros(1, 2048, dtype=torch.bool)
-    assert masks._cuts_into_runs(8, None, ids[:, :2048], short)
-    assert not masks._cuts_into_runs(8, pad, ids[:, :2048], short)   # padding inside a row moves the distances
-    assert masks._cuts_into_runs(None, pad, None, short) and not masks._cuts_into_runs(None, None, None, short)
+    by run where the dense mask would have been chosen: a backward on a CPU, texts shorter than FLEX_MIN_TOKENS, or
+    Flex turned off."""
+    m = masks.MultiHeadAttention(8, 8, 4096, num_heads=2, window=8)
+    ids = torch.repeat_interleave(torch.arange(2), 2048)[None]
+    long, short = torch.randn(1, 4096, 8), torch.randn(1, 2048, 8)
+    with torch.no_grad():
+        assert _route(m, long, document_ids=ids) == 'flex'                       # inference: Flex
+        with masks.flex_mode('off'): assert _route(m, long, document_ids=ids) == 'runs'
+        assert _route(m, short, document_ids=ids[:, :2048]) == 'runs'
+        pad = torch.zeros(1, 2048, dtype=torch.bool)                            # padding moves the distances
+        assert _route(m, short, document_ids=ids[:, :2048], key_padding_mask=pad) == 'dense'
+    assert _route(m, long.requires_grad_(), document_ids=ids) == 'runs'          # a backward: no CPU Flex
+    assert not masks._cuts_into_runs(None, None, None, short[:, None])           # no padding, no documents
 
 
 def test_runs_go_one_call_each_only_where_the_calls_pay():
@@ -359,10 +374,11 @@ def test_sinks_with_a_window_go_by_run_where_flex_would_have_run():
     "Sinks are no score function, so Flex never takes them: a long window in documents goes by run, not n x n."
     torch.manual_seed(0)
     m = LlamaAttention(16, 4096, num_heads=2, sinks=True, window=16).double().eval()
+    capped = LlamaAttention(16, 4096, num_heads=2, softcap=20.0, window=16).double().eval()
     ids = torch.repeat_interleave(torch.arange(2), 2048)[None]
     x = torch.randn(1, 4096, 16, dtype=torch.float64)
-    assert masks._cuts_into_runs(16, None, ids, x[:, None], flex=False)
-    assert not masks._cuts_into_runs(16, None, ids, x[:, None])          # a soft cap alone: Flex's score_mod
     with torch.no_grad():
+        assert _route(m, x, document_ids=ids) == 'runs'
+        assert _route(capped, x, document_ids=ids) == 'flex'                     # a soft cap alone: Flex's score_mod
         alone = torch.cat([m(part) for part in x.split(2048, dim=1)], dim=1)
         assert (m(x, document_ids=ids) - alone).abs().max() < 1e-12

@@ -333,7 +333,7 @@ def _route(m, x, **kw):
 
 def test_a_window_goes_run_by_run_only_where_flex_would_not_run():
     """Run by run, a window costs each document's whole square; compiled Flex skips the tiles outside the window
-    (8,192 tokens in 2 documents, window 256, inference: 2.0 s by run, 0.64 s Flex, on 2 CPU cores). So a window goes
+    (8,192 tokens in 2 documents, window 256, inference: 0.83 s by run, 0.25 s Flex, on 2 CPU cores). So a window goes
     by run where the dense mask would have been chosen: a backward on a CPU, texts shorter than FLEX_MIN_TOKENS, or
     Flex turned off."""
     m = masks.MultiHeadAttention(8, 8, 4096, num_heads=2, window=8)

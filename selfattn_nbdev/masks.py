@@ -528,11 +528,17 @@ def _allowed(self:MultiHeadAttention,
 # %% ../nbs/10_masks.ipynb #fa1e9496
 _varlen = {'last': ((), None, None)}  # the runs of the last shared copies
 
+def _gapless(key_padding_mask:Tensor) -> bool: # bool (b, T), True = padding
+    "No padding between two real tokens of a row: packed, distances stay the row's."
+    real = ~key_padding_mask
+    before, after = real.cummax(1).values, real.flip(1).cummax(1).values.flip(1)
+    return not (key_padding_mask & before & after).any()   # the host waits
+
 def _cuts_into_runs(window:int|None, key_padding_mask:Tensor|None,
                     document_ids:Tensor|None, queries:Tensor) -> bool:
-    "Padding or documents; with a window, documents alone on a CPU (distances kept)."
+    "Padding or documents; with a window, on a CPU (where `_cpu_runs` says if it may)."
     if key_padding_mask is None and document_ids is None: return False
-    return window is None or (not queries.is_cuda and key_padding_mask is None)
+    return window is None or not queries.is_cuda
 
 def _runs(key_padding_mask:Tensor|None, document_ids:Tensor|None) -> VarlenRuns|None:
     "varlen_runs, found once per forward for the copies a model's blocks share."
@@ -544,18 +550,24 @@ def _runs(key_padding_mask:Tensor|None, document_ids:Tensor|None) -> VarlenRuns|
     if versions is not None: _varlen['last'] = (reads, versions, runs)
     return runs
 
-def _few_runs(runs:VarlenRuns) -> bool: # few enough to attend one call each
-    "At most RUNS_MAX runs, and n² / RUN_WORTH: a call per run must save its cost."
+def _cpu_runs(key_padding_mask:Tensor|None, document_ids:Tensor|None,
+              window:int|None) -> VarlenRuns|None: # None: not one call per run
+    "The runs, if one call each pays: few, and not a window over a row padding splits."
+    if (window is not None and key_padding_mask is not None
+            and not _gapless(key_padding_mask)): return None  # packed, distances move
+    runs = _runs(key_padding_mask, document_ids)
+    if runs is None: return None                     # a document comes back
     count, n = len(runs.cu_seqlens) - 1, int(runs.cu_seqlens[-1])
-    return count <= min(RUNS_MAX, n * n // RUN_WORTH)
+    return runs if count <= min(RUNS_MAX, n * n // RUN_WORTH) else None
 
 def _each_run(queries:Tensor, keys:Tensor, values:Tensor, # (b, heads, T, head_dim)
               key_padding_mask:Tensor|None, document_ids:Tensor|None, # the runs
+              window:int|None, # the module's window: padding must not split a row
               attend:Callable, # attention on one run, (1, heads, L, head_dim) each
              ) -> Tensor|None: # (b, heads, T, head_dim); None: not in runs
-    "Each run alone through `attend`; None if a document comes back, or too many runs."
-    runs = _runs(key_padding_mask, document_ids)
-    if runs is None or not _few_runs(runs): return None
+    "Each run alone through `attend`; None where `_cpu_runs` says no."
+    runs = _cpu_runs(key_padding_mask, document_ids, window)
+    if runs is None: return None
     return _in_runs(queries, keys, values, runs, lambda q, k, v: _by_run(
         q, k, v, runs.cu_seqlens.tolist(), attend))
 
@@ -585,8 +597,9 @@ def _attend_masked(self:MultiHeadAttention,
     if choice == 'dense' and by_run:  # a window too: runs cost less than the mask
         choice = self._pick(queries, num_tokens, runs_only=True)
     if choice == 'varlen':  # the real tokens, packed, in runs
-        runs = _runs(key_padding_mask, document_ids)
-        if runs is not None and (queries.is_cuda or _few_runs(runs)):
+        runs = (_runs(key_padding_mask, document_ids) if queries.is_cuda else
+                _cpu_runs(key_padding_mask, document_ids, self.window))
+        if runs is not None:
             return varlen_attend(queries, keys, values, key_padding_mask,
                                  self.causal, document_ids, runs, self.window)
         choice = self._pick(queries, num_tokens, runs_only=False)  # or too many runs

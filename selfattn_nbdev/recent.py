@@ -204,10 +204,11 @@ def _attend_scored(self:LlamaAttention, queries, keys, values, key_padding_mask=
             _cuts_into_runs(self.window, key_padding_mask, document_ids, queries)):
         choice = self._pick(queries, S, runs_only=True)  # each run alone, explicit
     if choice == 'varlen':
+        explicit = lambda q, k, v: self._attend_explicit(q, k, v)[0]
         context = _each_run(queries, keys, values, key_padding_mask, document_ids,
-                            lambda q, k, v: self._attend_explicit(q, k, v)[0])
+                            self.window, explicit)
         if context is not None: return context
-        choice = self._pick(queries, S, runs_only=False)  # a document in two runs
+        choice = self._pick(queries, S, runs_only=False)  # no runs: _cpu_runs says why
     mask_mod = self._mask_mod(key_padding_mask, document_ids)
     if self.sinks is None and mask_mod is not None and choice.startswith('flex'):
         return self._attend_flex(queries, keys, values, key_padding_mask, document_ids,

@@ -343,10 +343,43 @@ def test_a_window_goes_run_by_run_only_where_flex_would_not_run():
         assert _route(m, long, document_ids=ids) == 'flex'                       # inference: Flex
         with masks.flex_mode('off'): assert _route(m, long, document_ids=ids) == 'runs'
         assert _route(m, short, document_ids=ids[:, :2048]) == 'runs'
-        pad = torch.zeros(1, 2048, dtype=torch.bool)                            # padding moves the distances
-        assert _route(m, short, document_ids=ids[:, :2048], key_padding_mask=pad) == 'dense'
+        ends = torch.arange(2048) < 100                                         # padding at the start: runs
+        assert _route(m, short, document_ids=ids[:, :2048], key_padding_mask=ends[None]) == 'runs'
+        split = (torch.arange(2048) // 100) == 3                               # padding inside a row moves
+        assert _route(m, short, key_padding_mask=split[None]) == 'dense'       # the distances: the dense mask
     assert _route(m, long.requires_grad_(), document_ids=ids) == 'runs'          # a backward: no CPU Flex
     assert not masks._cuts_into_runs(None, None, None, short[:, None])           # no padding, no documents
+
+
+def test_gapless_is_padding_at_the_ends_of_each_row_only():
+    T = torch.arange(10)
+    for pad, expected in [(T < 3, True), (T >= 7, True), ((T < 2) | (T >= 8), True), (T < 10, True),
+                          (T < 0, True), ((T >= 4) & (T < 6), False), (T % 3 == 1, False)]:
+        assert masks._gapless(torch.stack([T >= 5, pad])) is expected, pad   # row 0 is gapless
+
+
+@pytest.mark.parametrize('kind', ['window', 'softcap', 'sinks'])
+def test_a_padded_window_goes_run_by_run_as_each_row_alone(kind):
+    """Padding at the ends of a row keeps the distances a window measures, so its real tokens go run by run (not one
+    dense mask over the padded rows): each row's output and gradients are those of its real tokens alone."""
+    torch.manual_seed(0)
+    extra = dict(softcap=dict(softcap=20.0), sinks=dict(sinks=True)).get(kind, {})
+    m = LlamaAttention(16, 1100, num_heads=4, num_kv_heads=2, window=50, **extra).double()
+    if kind == 'sinks':
+        with torch.no_grad(): m.sinks.normal_()
+    T = torch.arange(1100)
+    pad = torch.stack([T >= 1100, T >= 700, T < 300, (T < 10) | (T >= 1000)])          # none, right, left, both
+    x = torch.randn(4, 1100, 16, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 1100, 16, dtype=torch.float64)
+    assert _route(m, x, key_padding_mask=pad) == 'runs'
+    out = m(x, key_padding_mask=pad)
+    (grad,) = torch.autograd.grad((out * w)[~pad].sum(), x)
+    for row in range(4):
+        real = ~pad[row]
+        alone = m(x[row, real][None])[0]
+        (grad_alone,) = torch.autograd.grad((alone * w[row, real]).sum(), x)
+        assert (out[row, real] - alone).abs().max() < 1e-12
+        assert (grad[row] - grad_alone[row]).abs().max() < 1e-12
 
 
 def test_runs_go_one_call_each_only_where_the_calls_pay():
@@ -354,10 +387,10 @@ def test_runs_go_one_call_each_only_where_the_calls_pay():
     (d 64 and 256, with and without a window): at 1,100 tokens 32 runs were 0.6-1.07x the dense mask's time and 128
     runs 1.1-2.8x; at 4,096 tokens 255 runs were 0.3-0.83x. So at most n² / RUN_WORTH runs go by run, and never more
     than RUNS_MAX (exactly RUNS_MAX do: it is a count of runs)."""
-    def runs(n, count): return varlen_runs(None, (torch.arange(n) * count // n)[None])
-    assert masks._few_runs(runs(4096, masks.RUNS_MAX)) and not masks._few_runs(runs(4096, masks.RUNS_MAX + 1))
+    def few(n, count): return masks._cpu_runs(None, (torch.arange(n) * count // n)[None], None) is not None
+    assert few(4096, masks.RUNS_MAX) and not few(4096, masks.RUNS_MAX + 1)
     most = 1100 * 1100 // masks.RUN_WORTH                                            # 73
-    assert masks._few_runs(runs(1100, most)) and not masks._few_runs(runs(1100, most + 1))
+    assert few(1100, most) and not few(1100, most + 1)
 
 
 def test_varlen_attend_checks_its_window_as_a_module_does():

@@ -116,7 +116,7 @@ class MultiHeadAttention(nn.Module):
         return [self._split_heads(W(x)) for W in projections]  # each (b, h, T, hd)
 
     def _project(self, x:Tensor) -> list: # what forward attends with
-        "`_qkv` as it is; later pages turn the queries and keys here (RoPE)."
+        "`_qkv` as it is; a later page turns the queries and keys here."
         return self._qkv(x)
 
     def extra_repr(self) -> str:

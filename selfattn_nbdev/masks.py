@@ -136,8 +136,12 @@ def _ask(
     "The predicate on every pair of `q_idx` and `kv_idx`, by broadcasting."
     b = torch.arange(batch, device=q_idx.device)[:, None, None, None]    # (B, 1, 1, 1)
     h = torch.arange(heads, device=q_idx.device)[None, :, None, None]    # (1, H, 1, 1)
-    allowed = torch.as_tensor(mask_mod(b, h, q_idx[:, None], kv_idx[None, :]),
-                              device=q_idx.device)
+    try: allowed = mask_mod(b, h, q_idx[:, None], kv_idx[None, :])
+    except IndexError as e:  # a tensor the predicate reads is smaller than asked
+        raise IndexError(f"mask_mod was asked about {batch} rows, {len(q_idx)} queries "
+                         f"and {len(kv_idx)} keys, more than a tensor it reads holds "
+                         f"(batch, num_tokens or num_keys too large?): {e}") from e
+    allowed = torch.as_tensor(allowed, device=q_idx.device)
     if allowed.dtype != torch.bool:  # an int would pass as a mask of indices
         raise TypeError(f"mask_mod must return bools (True = attend); got "
                         f"{allowed.dtype}")

@@ -576,6 +576,12 @@ CASES = {
     'split_kv_attention allowed shape': (lambda: R.split_kv_attention(*[torch.zeros(1, 2, 6, 4)] * 3, 2,
                                                                       torch.ones(7, dtype=torch.bool)),
                                          ValueError, ['allowed', '(1, 2, 6, 6)', '(7,)']),
+    'dense_mask more rows than the padding': (lambda: M.dense_mask(M.key_padding(torch.zeros(2, 8, dtype=torch.bool)),
+                                                                   8, batch=3),
+                                              IndexError, ['mask_mod', '3 rows', 'batch, num_tokens or num_keys']),
+    'block_mask more keys than the documents': (lambda: M.block_mask(M.documents(torch.zeros(1, 8, dtype=torch.long)),
+                                                                     8, 12, block_size=4),
+                                                IndexError, ['mask_mod', '12 keys', 'num_keys']),
 }
 
 

@@ -304,10 +304,10 @@ def context_parallel(
     weight = module.W_query.weight
     check_tokens(x, module.d_in, weight.dtype, weight.device)
     refused = {'window': module.window, 'softcap': getattr(module, 'softcap', None),
-               'sinks': getattr(module, 'sinks', None) is not None or None,  # a logit
-               'dropout': (module.dropout.p if module.training else 0) or None}
-    for name, value in refused.items():  # None: not used by this module
-        if value is not None:
+               'sinks': getattr(module, 'sinks', None) is not None,  # a logit or None
+               'dropout': module.dropout.p if module.training else 0.0}
+    for name, value in refused.items():
+        if value:  # used by this module: None, False and 0 are not
             raise ValueError(f"context_parallel runs causal or full attention without "
                              f"{name}; got {name}={value} (training={module.training})")
     rank, size = dist.get_rank(group), dist.get_world_size(group)

@@ -109,7 +109,9 @@ def test_ring_refuses_what_it_cannot_take(one_rank):
 
 
 def test_context_parallel_refuses_scores_the_ring_does_not_compute():
-    "The ring computes plain softmax attention: a soft cap or sink logits would be dropped, silently wrong (0.05, 0.8)."
+    """The ring computes plain softmax attention: a soft cap or sink logits would be dropped, silently wrong (0.05, 0.8);
+    so would a window or dropout."""
+    from selfattn_nbdev import MultiHeadAttention
     from selfattn_nbdev.recent import LlamaAttention
     from selfattn_nbdev.ring import context_parallel, sequence_chunks, shard_sequence
     x = torch.randn(1, 8, 16)
@@ -117,6 +119,10 @@ def test_context_parallel_refuses_scores_the_ring_does_not_compute():
         context_parallel(LlamaAttention(16, 8, num_heads=4, num_kv_heads=2, softcap=1.0), x)
     with pytest.raises(ValueError, match='without sinks; got sinks=True'):
         context_parallel(LlamaAttention(16, 8, num_heads=4, num_kv_heads=2, sinks=True), x)
+    with pytest.raises(ValueError, match='without window; got window=2'):
+        context_parallel(MultiHeadAttention(16, 16, 8, num_heads=4, window=2), x)
+    with pytest.raises(ValueError, match=r'without dropout; got dropout=0.1 \(training=True\)'):
+        context_parallel(MultiHeadAttention(16, 16, 8, num_heads=4, dropout=0.1), x)
     for rank in (2, -1, 1.0, True):   # a rank outside the world gave another rank's chunks
         with pytest.raises(ValueError, match=r'rank must be an int in \[0, world_size=2\)'):
             shard_sequence(torch.arange(8.)[:, None], rank, 2)

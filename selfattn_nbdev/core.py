@@ -95,16 +95,19 @@ def check_token_ids(
     vocab_size:int,  # ids must be in [0, vocab_size)
     name:str='token_ids', # how the error messages call them
     dims:tuple=(1, 2),    # the numbers of dimensions allowed: (T,) or (b, T)
+    device=None,          # where they must be: the model's device; None: anywhere
 ) -> None:
-    "Check `token_ids`: an integer tensor with `dims` dims, values in [0, vocab_size)."
+    "Check `token_ids`: int64 or int32 with `dims` dims, values in [0, vocab_size)."
     shapes = " or ".join(["(num_tokens,)", "(batch, num_tokens)"][d - 1] for d in dims)
     if not isinstance(token_ids, Tensor):
         raise TypeError(f"{name} must be an integer tensor of shape {shapes}; "
                         f"got {type(token_ids).__name__}")
-    if not (torch.is_tensor(token_ids) and not token_ids.is_floating_point()
-            and not token_ids.is_complex() and token_ids.dtype != torch.bool):
-        raise TypeError(f"{name} must be an integer tensor (int64, ...); got dtype "
-                        f"{token_ids.dtype}")
+    if token_ids.dtype not in (torch.int64, torch.int32):  # what an embedding takes
+        raise TypeError(f"{name} must be an int64 or int32 tensor; got dtype "
+                        f"{token_ids.dtype} (.long() converts it)")
+    if device is not None and token_ids.device != torch.device(device):
+        raise ValueError(f"{name} must be on the model's device, {device}; got "
+                         f"{token_ids.device}")
     if token_ids.dim() not in dims:
         raise ValueError(f"{name} must have shape {shapes}; "
                          f"got {tuple(token_ids.shape)}")

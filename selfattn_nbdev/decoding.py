@@ -292,10 +292,11 @@ def _qkv(self:MultiHeadAttention,
 def _batch_prompts(
     prompt_ids, # a (b, T) tensor, or a list of 1-D tensors of any lengths
     vocab_size:int, # ids must be in [0, vocab_size)
+    device=None, # where they must be: the model's device; None: anywhere
 ) -> tuple: # token ids (b, T_longest), left-padded; pads (b,) or None
     "One batch from prompts of different lengths: padding on the left, counted."
     if not isinstance(prompt_ids, (list, tuple)):
-        check_token_ids(prompt_ids, vocab_size, 'prompt_ids', dims=(2,))
+        check_token_ids(prompt_ids, vocab_size, 'prompt_ids', dims=(2,), device=device)
         if prompt_ids.shape[1] == 0:
             raise ValueError(f"prompt_ids must hold at least one token per row; "
                              f"got shape {tuple(prompt_ids.shape)}")
@@ -303,7 +304,7 @@ def _batch_prompts(
     if not prompt_ids:
         raise ValueError("prompt_ids must hold at least one prompt; got []")
     for i, prompt in enumerate(prompt_ids):
-        check_token_ids(prompt, vocab_size, f'prompt_ids[{i}]', dims=(1,))
+        check_token_ids(prompt, vocab_size, f'prompt_ids[{i}]', (1,), device)
         if len(prompt) == 0: raise ValueError(f"prompt_ids[{i}] is empty")
     longest = max(len(p) for p in prompt_ids)
     pads = torch.tensor([longest - len(p) for p in prompt_ids],
@@ -407,7 +408,9 @@ def generate_stream(
     if not isinstance(compile, (bool, dict)):
         raise TypeError(f"compile must be True, False or a dict of torch.compile "
                         f"options; got {compile!r}")
-    token_ids, pads = _batch_prompts(prompt_ids, model.vocab_size)
+    weight = next(model.parameters(), None)  # the ids must be where the model is
+    token_ids, pads = _batch_prompts(prompt_ids, model.vocab_size,
+                                     None if weight is None else weight.device)
     if static is None: static = compile is not False or pads is not None
     check_flag(static, 'static')
     if compile is not False and not use_cache:

@@ -116,7 +116,8 @@ class TinyGPT(nn.Module):
                     caches:list|None, # one per block, or None
                    ) -> None:
         "Ids in the vocabulary; one cache per block; no more than context_length."
-        check_token_ids(token_ids, self.vocab_size, dims=(2,))
+        check_token_ids(token_ids, self.vocab_size, dims=(2,),
+                        device=self.token_emb.weight.device)
         if torch.compiler.is_compiling(): return  # compiled: generate checked it all
         if caches is not None and (not isinstance(caches, (list, tuple))
                                    or len(caches) != len(self.blocks)):
@@ -183,11 +184,22 @@ def train_tiny_gpt(
     return losses
 
 # %% ../nbs/06_generation.ipynb #62f47357
-def _check_sampling(temperature, top_k, top_p) -> None:
+def _check_sampling(temperature, top_k, top_p, logits=None, generator=None) -> None:
     "A temperature >= 0 (< 0 would pick the least likely), k >= 1, p in (0, 1]."
     check_range(temperature, 'temperature', low=0)
     if top_k is not None: check_size(top_k, 'top_k')
     if top_p is not None: check_range(top_p, 'top_p', low=0, low_open=True, high=1)
+    if logits is not None and not (isinstance(logits, Tensor) and logits.dim() == 2
+                                   and logits.is_floating_point() and logits.shape[1]):
+        got = (f"{logits.dtype} {tuple(logits.shape)}" if isinstance(logits, Tensor)
+               else type(logits).__name__)
+        raise ValueError(f"logits must be a floating tensor (b, vocab_size), one row "
+                         f"of scores per sequence; got {got}")
+    if generator is not None and (not isinstance(generator, torch.Generator)
+                                  or generator.device != logits.device):
+        got = getattr(generator, 'device', type(generator).__name__)
+        raise TypeError(f"generator must be a torch.Generator on the logits' device, "
+                        f"{logits.device}; got {got}")
 
 def sample_next(
     logits:Tensor, # the next-token scores of each row, (b, vocab_size)
@@ -197,7 +209,7 @@ def sample_next(
     generator:torch.Generator|None=None, # seeded: the same draws every run
 ) -> Tensor: # the chosen token of each row, (b,)
     "Pick each row's next token: greedy, or sampled from a truncated distribution."
-    _check_sampling(temperature, top_k, top_p)
+    _check_sampling(temperature, top_k, top_p, logits, generator)
     if temperature == 0: return logits.argmax(-1)
     # less the row's largest first: no logit / t can overflow, however small t is
     # (float64, so that t down to 1e-300 stays a number); the largest becomes 0
@@ -214,7 +226,10 @@ def sample_next(
                                                                   before >= top_p)
         logits = logits.masked_fill(drop, -torch.inf)
     probs = logits.softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]         # (b,)
+    try: return torch.multinomial(probs, 1, generator=generator)[:, 0]    # (b,)
+    except RuntimeError as e:  # a row with NaN or +inf: no distribution to draw from
+        raise ValueError(f"logits must be finite or -inf; a row holds NaN or +inf "
+                         f"({e})") from e
 
 # %% ../nbs/06_generation.ipynb #30adf919
 _tokens = itertools.count(1)  # one number per module that has written to a cache
@@ -384,8 +399,8 @@ def _stop_ids(
 ) -> Tensor: # the ids, (n,)
     "Stop ids as a tensor: an int or a non-empty list of ints, in the vocabulary."
     integer = lambda i: hasattr(i, '__index__') and not isinstance(i, (bool, Tensor))
-    ids = stop_ids.tolist() if isinstance(stop_ids, Tensor) else stop_ids  # its ints
-    ids = [ids] if integer(ids) else ids  # an int (numpy's too) is a list of one
+    ids = stop_ids.tolist() if hasattr(stop_ids, 'tolist') else stop_ids  # numpy's too
+    ids = [ids] if integer(ids) else ids  # an int is a list of one
     if (not isinstance(ids, (list, tuple)) or not ids or isinstance(stop_ids, bool)
             or not all(map(integer, ids))):
         raise TypeError(f"stop_ids must be a token id or a list of them; "
@@ -459,7 +474,8 @@ def generate_stream(
     generator:torch.Generator|None=None, # seeded sampling, on the model's device
 ): # yields the new token of every row, (b,), as soon as it is chosen
     "Generate token by token, yielding each step's tokens as they are made."
-    check_token_ids(prompt_ids, model.vocab_size, 'prompt_ids', dims=(2,))
+    check_token_ids(prompt_ids, model.vocab_size, 'prompt_ids', dims=(2,),
+                    device=model.token_emb.weight.device)
     if prompt_ids.shape[1] == 0:
         raise ValueError(f"prompt_ids must hold at least one token per row; "
                          f"got shape {tuple(prompt_ids.shape)}")

@@ -703,7 +703,8 @@ def forward(self:TinyGPT,
         if caches is not None:
             raise ValueError("document_ids cannot be combined with caches; "
                              "generate each document on its own")
-        check_token_ids(token_ids, self.vocab_size, dims=(2,))
+        check_token_ids(token_ids, self.vocab_size, dims=(2,),
+                        device=self.token_emb.weight.device)
         if (not isinstance(document_ids, Tensor)
                 or document_ids.shape != token_ids.shape):
             got = (tuple(document_ids.shape) if isinstance(document_ids, Tensor)

@@ -473,6 +473,39 @@ CASES = {
                                 ['temperature', '-0.5']),
     'sample_next top_k': (lambda: sample_next(torch.zeros(1, 3), 1.0, top_k=-2), ValueError, ['top_k', '-2']),
     'sample_next top_p': (lambda: sample_next(torch.zeros(1, 3), 1.0, top_p='0.9'), ValueError, ['top_p', "'0.9'"]),
+    'sample_next 1-D logits': (lambda: sample_next(torch.zeros(3), 1.0), ValueError,
+                               ['logits', '(b, vocab_size)', 'torch.float32 (3,)']),
+    'sample_next 3-D logits greedy': (lambda: sample_next(torch.zeros(2, 1, 3)), ValueError,
+                                      ['logits', '(b, vocab_size)', '(2, 1, 3)']),
+    'sample_next no vocabulary': (lambda: sample_next(torch.zeros(2, 0), 1.0), ValueError, ['logits', '(2, 0)']),
+    'sample_next integer logits': (lambda: sample_next(torch.zeros(2, 3, dtype=torch.long)), ValueError,
+                                   ['logits', 'floating', 'torch.int64']),
+    'sample_next NaN logits': (lambda: sample_next(torch.tensor([[float('nan'), 0.0]]), 1.0), ValueError,
+                               ['logits must be finite or -inf', 'NaN or +inf']),
+    'sample_next +inf logits': (lambda: sample_next(torch.tensor([[float('inf'), 0.0]]), 1.0), ValueError,
+                                ['logits must be finite or -inf']),
+    'sample_next generator int': (lambda: sample_next(torch.zeros(1, 3), 1.0, generator=0), TypeError,
+                                  ['generator', 'torch.Generator', 'int']),
+    'sample_next generator elsewhere': (lambda: sample_next(torch.zeros(1, 3, device='meta'), 1.0,
+                                                            generator=torch.Generator()), TypeError,
+                                        ['generator', "logits' device, meta", 'cpu']),
+    'TinyGPT int8 ids': (lambda: TinyGPT(10, 8, d_model=8, num_heads=2)(torch.zeros(1, 3, dtype=torch.int8)),
+                         TypeError, ['token_ids', 'int64 or int32', 'torch.int8']),
+    'TinyGPT uint16 ids': (lambda: TinyGPT(10, 8, d_model=8, num_heads=2)(torch.zeros(1, 3, dtype=torch.uint16)),
+                           TypeError, ['token_ids', 'int64 or int32', 'torch.uint16']),
+    'TinyGPT ids on another device': (lambda: TinyGPT(10, 8, d_model=8, num_heads=2)(
+                                          torch.zeros(1, 3, dtype=torch.long, device='meta')),
+                                      ValueError, ['token_ids', "model's device, cpu", 'meta']),
+    'TinyGPT documents on another device': (lambda: TinyGPT(10, 8, d_model=8, num_heads=2)(
+                                                torch.zeros(1, 3, dtype=torch.long, device='meta'),
+                                                document_ids=torch.zeros(1, 3, dtype=torch.long)),
+                                            ValueError, ['token_ids', "model's device, cpu", 'meta']),
+    'generate int8 prompt': (lambda: generate(TinyGPT(10, 8, d_model=8, num_heads=2),
+                                              torch.zeros(1, 3, dtype=torch.int8), 2),
+                             TypeError, ['prompt_ids', 'int64 or int32', 'torch.int8']),
+    'generate prompt on another device': (lambda: generate(TinyGPT(10, 8, d_model=8, num_heads=2),
+                                                           torch.zeros(1, 3, dtype=torch.long, device='meta'), 2),
+                                          ValueError, ['prompt_ids', "model's device, cpu", 'meta']),
     'TinyGPT document_ids shape': (lambda: GPT(torch.zeros(2, 5, dtype=torch.long), document_ids=torch.zeros(2, 6)),
                                    ValueError, ['document_ids', '(2, 5)', '(2, 6)']),
     'TinyGPT document_ids float': (lambda: GPT(torch.zeros(1, 3, dtype=torch.long), document_ids=torch.zeros(1, 3)),
@@ -668,18 +701,20 @@ def test_accuracy_is_right_with_labels_of_the_right_shape():
 
 
 def test_stop_ids_may_be_a_tensor_or_numpy_ints_and_anything_else_is_named():
-    "A tokenizer hands ids as tensors or numpy ints: they stop rows as Python ints do; floats, bools, 2-D are refused."
+    """A tokenizer hands ids as tensors, numpy ints or arrays: they stop rows as Python ints do; floats, bools, 2-D are
+    refused."""
     np = pytest.importorskip('numpy')
     from selfattn_nbdev import TinyGPT, generate
     torch.manual_seed(0)
     model = TinyGPT(37, 64, d_model=16, num_heads=2, num_layers=1).eval()
     prompt = torch.randint(0, 37, (2, 4))
     expected = generate(model, prompt, 10, stop_ids=[3, 5])
-    for stops in (torch.tensor([3, 5]), [np.int64(3), np.int64(5)], (3, np.int16(5))):
+    for stops in (torch.tensor([3, 5]), [np.int64(3), np.int64(5)], (3, np.int16(5)), np.array([3, 5])):
         assert torch.equal(generate(model, prompt, 10, stop_ids=stops), expected)
-    for one in (torch.tensor(3), np.int32(3)):
+    for one in (torch.tensor(3), np.int32(3), np.array(3)):
         assert torch.equal(generate(model, prompt, 10, stop_ids=one), generate(model, prompt, 10, stop_ids=3))
-    for bad in (torch.tensor([3.0]), [True], 2.5, torch.ones(2, 2, dtype=torch.long), [], [torch.tensor(3)]):
+    for bad in (torch.tensor([3.0]), [True], 2.5, torch.ones(2, 2, dtype=torch.long), [], [torch.tensor(3)],
+                np.array([3.0]), np.ones((2, 2), dtype=np.int64)):
         with pytest.raises(TypeError, match='stop_ids must be a token id or a list of them'):
             generate(model, prompt, 3, stop_ids=bad)
 

@@ -214,7 +214,7 @@ def test_unpad_errors_name_the_argument():
         unpad(tokens, torch.zeros(2, 5))
     with pytest.raises(ValueError, match=r'key_padding_mask must be .*got torch.bool \(2, 4\)'):
         unpad(tokens, torch.zeros(2, 4, dtype=torch.bool))
-    with pytest.raises(TypeError, match='token_ids must be an integer tensor'):
+    with pytest.raises(TypeError, match='token_ids must be an int64 or int32 tensor'):
         unpad(tokens.float(), torch.zeros(2, 5, dtype=torch.bool))
 
 

@@ -96,6 +96,7 @@ def check_token_ids(
     name:str='token_ids', # how the error messages call them
     dims:tuple=(1, 2),    # the numbers of dimensions allowed: (T,) or (b, T)
     device=None,          # where they must be: the model's device; None: anywhere
+    always:bool=False,    # read the values on a GPU too (it waits): a prompt, once
 ) -> None:
     "Check `token_ids`: int64 or int32 with `dims` dims, values in [0, vocab_size)."
     shapes = " or ".join(["(num_tokens,)", "(batch, num_tokens)"][d - 1] for d in dims)
@@ -111,8 +112,8 @@ def check_token_ids(
     if token_ids.dim() not in dims:
         raise ValueError(f"{name} must have shape {shapes}; "
                          f"got {tuple(token_ids.shape)}")
-    # values are read on CPU only (no GPU sync per call), and not inside torch.compile
-    if (token_ids.device.type == "cpu" and token_ids.numel()
+    # values are read on CPU (no GPU sync per call, unless always), not in a compile
+    if ((always or token_ids.device.type == "cpu") and token_ids.numel()
             and not torch.compiler.is_compiling()):
         low, high = token_ids.min().item(), token_ids.max().item()
         if low < 0 or high >= vocab_size:

@@ -296,7 +296,7 @@ def _batch_prompts(
 ) -> tuple: # token ids (b, T_longest), left-padded; pads (b,) or None
     "One batch from prompts of different lengths: padding on the left, counted."
     if not isinstance(prompt_ids, (list, tuple)):
-        check_token_ids(prompt_ids, vocab_size, 'prompt_ids', dims=(2,), device=device)
+        check_token_ids(prompt_ids, vocab_size, 'prompt_ids', (2,), device, always=True)
         if prompt_ids.shape[1] == 0:
             raise ValueError(f"prompt_ids must hold at least one token per row; "
                              f"got shape {tuple(prompt_ids.shape)}")
@@ -304,7 +304,7 @@ def _batch_prompts(
     if not prompt_ids:
         raise ValueError("prompt_ids must hold at least one prompt; got []")
     for i, prompt in enumerate(prompt_ids):
-        check_token_ids(prompt, vocab_size, f'prompt_ids[{i}]', (1,), device)
+        check_token_ids(prompt, vocab_size, f'prompt_ids[{i}]', (1,), device, True)
         if len(prompt) == 0: raise ValueError(f"prompt_ids[{i}] is empty")
     longest = max(len(p) for p in prompt_ids)
     pads = torch.tensor([longest - len(p) for p in prompt_ids],

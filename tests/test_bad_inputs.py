@@ -745,3 +745,19 @@ def test_generate_stream_checks_its_arguments_when_called_not_at_the_first_token
     tokens = list(stream)
     assert len(tokens) == 3 and model.training and not tokens[0].requires_grad
     assert list(generate_stream(model, torch.tensor([[1, 2]]), 0)) == []
+
+
+def test_generate_reads_the_prompt_once_wherever_it_is(monkeypatch):
+    """On a CPU every id is read; on a GPU only the prompt (tests/test_cuda.py runs it there). Here: generate asks
+    check_token_ids to read the prompt whatever its device, and the checks it asks for in forward do not."""
+    import selfattn_nbdev.core as core, selfattn_nbdev.decoding as decoding, selfattn_nbdev.generation as gen_module
+    asked, real = [], core.check_token_ids
+    def spy(token_ids, vocab_size, name='token_ids', dims=(1, 2), device=None, always=False):
+        asked.append((always, name))
+        return real(token_ids, vocab_size, name, dims, device, always)
+    for module in (decoding, gen_module): monkeypatch.setattr(module, 'check_token_ids', spy)
+    model = TinyGPT(20, 16, d_model=16, num_heads=2).eval()
+    generate(model, torch.tensor([[1, 2]]), 2)
+    generate(model, [torch.tensor([1, 2]), torch.tensor([3])], 2)
+    assert [always for always, name in asked if name.startswith('prompt_ids')] == [True, True, True]
+    assert not any(always for always, name in asked if name == 'token_ids')

@@ -164,3 +164,11 @@ def test_unpad_trains_like_the_padded_batch(dtype):
     loss.backward()
     assert abs(loss.item() - expected.item()) < TOLERANCE[dtype] * expected.item()
     _close(model.token_emb.weight.grad, reference.token_emb.weight.grad, dtype, 'unpad, token_emb.grad')
+
+
+def test_a_prompt_out_of_the_vocabulary_is_named_on_the_gpu_too():
+    """generate reads the prompt's ids once on the GPU (one wait per generation), so an id out of range is named
+    before nn.Embedding's device-side assert would leave the CUDA context unusable."""
+    model = TinyGPT(20, 16, d_model=16, num_heads=2).to(DEVICE)
+    with pytest.raises(ValueError, match=r'prompt_ids must be in \[0, 20\); got values from 0 to 25'):
+        generate(model, torch.tensor([[0, 25]], device=DEVICE), 2)

@@ -475,7 +475,7 @@ def generate_stream(
 ): # yields the new token of every row, (b,), as soon as it is chosen
     "Generate token by token, yielding each step's tokens as they are made."
     check_token_ids(prompt_ids, model.vocab_size, 'prompt_ids', dims=(2,),
-                    device=model.token_emb.weight.device)
+                    device=next(model.parameters()).device)
     if prompt_ids.shape[1] == 0:
         raise ValueError(f"prompt_ids must hold at least one token per row; "
                          f"got shape {tuple(prompt_ids.shape)}")

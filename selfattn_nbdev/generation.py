@@ -228,6 +228,7 @@ def sample_next(
     probs = logits.softmax(-1)
     try: return torch.multinomial(probs, 1, generator=generator)[:, 0]    # (b,)
     except RuntimeError as e:  # a row with NaN or +inf: no distribution to draw from
+        if probs.isfinite().all(): raise                  # something else went wrong
         raise ValueError(f"logits must be finite or -inf; a row holds NaN or +inf "
                          f"({e})") from e
 

@@ -606,7 +606,7 @@ def _attend_masked(self:MultiHeadAttention,
         if runs is not None:
             return varlen_attend(queries, keys, values, key_padding_mask,
                                  self.causal, document_ids, runs, self.window)
-        choice = self._pick(queries, num_tokens, runs_only=False)  # or too many runs
+        choice = self._pick(queries, num_tokens, runs_only=False)  # see _cpu_runs
     if choice != 'dense':   # FlexAttention: tiles skipped, no dense mask
         return self._attend_flex(queries, keys, values, key_padding_mask,
                                  document_ids, compiled=choice == 'flex')

@@ -1,5 +1,5 @@
 """Package-level checks that do not belong in the story: what a user gets from `pip install`."""
-import importlib, subprocess, sys, zipfile
+import importlib, re, subprocess, sys, zipfile
 from configparser import ConfigParser
 from pathlib import Path
 
@@ -36,6 +36,28 @@ def test_the_hf_extra_is_safetensors_alone():
     "`pip install selfattn_nbdev[hf]` adds the safetensors library (to write checkpoints); reading needs torch."
     assert settings()['hf_requirements'].split() == ['safetensors>=0.4']
     assert "'hf': hf_requirements" in (ROOT / 'setup.py').read_text()
+
+
+def test_the_pages_extra_is_what_the_pages_import_beside_the_package():
+    """`pip install ".[pages]"` gives a reader what the pages' code imports that is neither torch, the standard library
+    nor the package: matplotlib for the pictures, fastcore for the checks, transformers for the models compared. Every
+    such import of a page is in it, or comes with it (numpy, huggingface_hub, safetensors), or with Jupyter (IPython)."""
+    import ast, json
+    extra = {re.split(r'[<>=!]', r)[0] for r in settings()['pages_requirements'].split()}
+    assert extra == {'matplotlib', 'fastcore', 'transformers'} and "'pages': pages_requirements" in (ROOT / 'setup.py').read_text()
+    story = [p for p in sorted((ROOT / 'nbs').glob('*.ipynb')) if re.match(r'(index|\d\d_)', p.name)]
+    imported = set()
+    for page in story:
+        for cell in json.loads(page.read_text())['cells']:
+            code = ''.join(cell['source'])
+            if cell['cell_type'] != 'code' or code.lstrip().startswith(('%', '!')): continue
+            try: tree = ast.parse('\n'.join(l for l in code.splitlines() if not l.startswith(('%', '!'))))
+            except SyntaxError: continue
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Import): imported |= {a.name.split('.')[0] for a in node.names}
+                elif isinstance(node, ast.ImportFrom) and node.level == 0: imported.add(node.module.split('.')[0])
+    outside = imported - {'torch', 'selfattn_nbdev', *sys.stdlib_module_names}
+    assert outside - extra <= {'numpy', 'huggingface_hub', 'safetensors', 'IPython'}, outside - extra
 
 
 def test_modules_import_nothing_but_torch_and_stdlib():

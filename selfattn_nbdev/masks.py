@@ -540,9 +540,11 @@ def _gapless(key_padding_mask:Tensor) -> bool: # bool (b, T), True = padding
 
 def _cuts_into_runs(window:int|None, key_padding_mask:Tensor|None,
                     document_ids:Tensor|None, queries:Tensor) -> bool:
-    "Padding or documents; with a window, on a CPU (where `_cpu_runs` says if it may)."
+    "Padding or documents; with a window, on a CPU, padding outside a compiled graph."
     if key_padding_mask is None and document_ids is None: return False
-    return window is None or not queries.is_cuda
+    if window is None: return True  # below: `_cpu_runs` reads the padding, the host waits
+    return not queries.is_cuda and (key_padding_mask is None
+                                    or not torch.compiler.is_compiling())
 
 def _runs(key_padding_mask:Tensor|None, document_ids:Tensor|None) -> VarlenRuns|None:
     "varlen_runs, found once per forward for the copies a model's blocks share."

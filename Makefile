@@ -74,9 +74,12 @@ export: $(INSTALLED) ## after editing notebooks: clean them, export the package,
 readme: $(INSTALLED) ## render README.md from nbs/index.ipynb
 	$(PY) tools/docs.py readme
 
+# nbdev's hooks call nbdev_trust and nbdev_merge from PATH: `hooks` points them at .venv's, activated or not
 hooks: $(INSTALLED) ## git hooks: clean notebooks on save and commit, keep the package in sync, merge notebooks
 	$(BIN)/nbdev_install_hooks
 	install -m 755 tools/pre-commit .git/hooks/pre-commit
+	printf '#!/bin/bash\n"%s/$(BIN)/nbdev_trust"\n' "$(CURDIR)" > .git/hooks/post-merge
+	git config --local merge.nbdev-merge.driver "$(CURDIR)/$(BIN)/nbdev_merge %O %A %B %P"
 
 clean: ## remove built files (keeps .venv)
 	rm -rf _docs _proc build dist *.egg-info .pytest_cache

@@ -312,6 +312,29 @@ def _batch_prompts(
     token_ids = torch.stack([F.pad(p, (longest - len(p), 0)) for p in prompt_ids])
     return token_ids, (pads if pads.any() else None)
 
+def _prompts_of(
+    prompt_ids, # (b, T) ids, padded by a tokenizer on the left or the right
+    attention_mask, # (b, T), 1 (or True) at a real token, 0 at padding
+) -> list: # each row's real tokens, (T_i,)
+    "A tokenizer's padded batch as a list of prompts: the real tokens of each row."
+    if not isinstance(prompt_ids, Tensor):
+        raise ValueError("attention_mask goes with prompt_ids as one (b, T) tensor, as "
+                         "a tokenizer pads them; a list of prompts needs none")
+    if not (isinstance(attention_mask, Tensor) and prompt_ids.dim() == 2
+            and attention_mask.shape == prompt_ids.shape
+            and not attention_mask.is_floating_point()):
+        got = (f"{attention_mask.dtype} {tuple(attention_mask.shape)}"
+               if isinstance(attention_mask, Tensor) else type(attention_mask).__name__)
+        raise ValueError(f"attention_mask must be a bool or integer tensor shaped like "
+                         f"prompt_ids, {tuple(prompt_ids.shape)}; got {got}")
+    real = attention_mask != 0                                          # (b, T)
+    starts = real[:, 0].long() + (real[:, 1:] & ~real[:, :-1]).sum(1)    # (b,)
+    if ((attention_mask != 1) & real).any() or (starts != 1).any():
+        raise ValueError("attention_mask must hold 0s and 1s, with one run of 1s in "
+                         "each row (padding on the left or the right); got "
+                         f"{attention_mask.tolist()!r:.80}")
+    return [row[keep] for row, keep in zip(prompt_ids, real)]
+
 # %% ../nbs/07_batches.ipynb #3cc3182d
 _GRAPH_ROOM = 32  # the graphs a decode step may add to those of its forward
 _RETRIES = 8  # new graphs for a bound already compiled: Dynamo's default limit
@@ -403,12 +426,14 @@ def generate_stream(
     generator:torch.Generator|None=None, # seeded sampling, on the model's device
     compile=False, # True: torch.compile the decode step once (CUDA graphs on CUDA)
     static:bool|None=None, # StaticKVCache? None: when compiling or padding, else not
+    attention_mask=None, # (b, T), 1 at a real token: prompt_ids as a tokenizer pads
 ): # yields the new token of every row, (b,), as soon as it is chosen
     "Generate token by token: prompts of any lengths, fixed shapes, a compiled step."
     if not isinstance(compile, (bool, dict)):
         raise TypeError(f"compile must be True, False or a dict of torch.compile "
                         f"options; got {compile!r}")
     weight = next(model.parameters(), None)  # the ids must be where the model is
+    if attention_mask is not None: prompt_ids = _prompts_of(prompt_ids, attention_mask)
     token_ids, pads = _batch_prompts(prompt_ids, model.vocab_size,
                                      None if weight is None else weight.device)
     if static is None: static = compile is not False or pads is not None

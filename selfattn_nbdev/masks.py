@@ -542,7 +542,7 @@ def _cuts_into_runs(window:int|None, key_padding_mask:Tensor|None,
                     document_ids:Tensor|None, queries:Tensor) -> bool:
     "Padding or documents; with a window, on a CPU, padding outside a compiled graph."
     if key_padding_mask is None and document_ids is None: return False
-    if window is None: return True  # below: `_cpu_runs` reads the padding, the host waits
+    if window is None: return True  # below: `_cpu_runs` reads padding, the host waits
     return not queries.is_cuda and (key_padding_mask is None
                                     or not torch.compiler.is_compiling())
 

@@ -51,3 +51,28 @@ def test_step_times_and_limits(trained):
         model(torch.zeros(1, 97, dtype=torch.long))
     with pytest.raises(ValueError, match='needs more than block_size=64'):
         train_tiny_gpt(model, torch.zeros(10, dtype=torch.long), steps=1)
+
+
+@pytest.mark.parametrize('side', ['left', 'right'])
+def test_a_tokenizers_padded_batch_with_its_attention_mask_is_the_list_of_its_prompts(side):
+    """generate(model, input_ids, n, attention_mask=mask), as a tokenizer pads a batch (1 = a real token, 0 = padding,
+    on either side): each row writes what its real tokens write alone; the tensor comes back as given, then the new
+    tokens. A bool mask does the same."""
+    from selfattn_nbdev import TinyGPT, generate
+    torch.manual_seed(0)
+    model = TinyGPT(20, 64, d_model=16, num_heads=2).eval()
+    prompts = [torch.randint(0, 19, (n,)) for n in (5, 2, 4)]
+    alone = generate(model, prompts, 6)
+    T, pad = 5, torch.full((5,), 19)
+    if side == 'left':
+        ids = torch.stack([torch.cat([pad[:T - len(p)], p]) for p in prompts])
+        mask = torch.stack([torch.arange(T) >= T - len(p) for p in prompts]).long()
+    else:
+        ids = torch.stack([torch.cat([p, pad[:T - len(p)]]) for p in prompts])
+        mask = torch.stack([torch.arange(T) < len(p) for p in prompts]).long()
+    for m in (mask, mask.bool()):
+        out = generate(model, ids, 6, attention_mask=m)
+        assert torch.equal(out[:, :T], ids)
+        for row, prompt, one in zip(out, prompts, alone): assert torch.equal(row[T:], one[len(prompt):])
+    unmasked = generate(model, ids, 6)          # without the mask, the padding is read as prompt
+    assert not torch.equal(unmasked[:, T:], out[:, T:])

@@ -328,7 +328,7 @@ def _prompts_of(
         raise ValueError(f"attention_mask must be a bool or integer tensor shaped like "
                          f"prompt_ids, {tuple(prompt_ids.shape)}; got {got}")
     real = attention_mask != 0                                          # (b, T)
-    starts = real[:, 0].long() + (real[:, 1:] & ~real[:, :-1]).sum(1)    # (b,)
+    starts = (real & ~F.pad(real, (1, 0))[:, :-1]).sum(1)  # (b,): runs of 1s begun
     if ((attention_mask != 1) & real).any() or (starts != 1).any():
         raise ValueError("attention_mask must hold 0s and 1s, with one run of 1s in "
                          "each row (padding on the left or the right); got "

@@ -18,7 +18,7 @@ from .core import check_flag, check_size, check_token_ids, patch, replaces
 from . import generation
 from .multihead import MultiHeadAttention
 from .generation import (KVCache, TinyGPT, _check_generation, _decode,
-                                       _signature_with, sample_next)
+                                       _signature_with, _stop_ids, sample_next)
 
 # %% ../nbs/07_batches.ipynb #f1a894cd
 DECODE_MIN_BOUND = 256  # the fewest columns a compiled decode step attends to
@@ -312,6 +312,10 @@ def _batch_prompts(
     token_ids = torch.stack([F.pad(p, (longest - len(p), 0)) for p in prompt_ids])
     return token_ids, (pads if pads.any() else None)
 
+def _runs_in_rows(real:Tensor) -> Tensor: # bool (b, T), True at a real token
+    "How many runs of real tokens each row holds: 1 when its padding is at its ends."
+    return (real & ~F.pad(real, (1, 0))[:, :-1]).sum(1)  # (b,): runs begun
+
 def _prompts_of(
     prompt_ids, # (b, T) ids, padded by a tokenizer on the left or the right
     attention_mask, # (b, T), 1 (or True) at a real token, 0 at padding
@@ -328,8 +332,7 @@ def _prompts_of(
         raise ValueError(f"attention_mask must be a bool or integer tensor shaped like "
                          f"prompt_ids, {tuple(prompt_ids.shape)}; got {got}")
     real = attention_mask != 0                                          # (b, T)
-    starts = (real & ~F.pad(real, (1, 0))[:, :-1]).sum(1)  # (b,): runs of 1s begun
-    if ((attention_mask != 1) & real).any() or (starts != 1).any():
+    if ((attention_mask != 1) & real).any() or (_runs_in_rows(real) != 1).any():
         raise ValueError("attention_mask must hold 0s and 1s, with one run of 1s in "
                          "each row (padding on the left or the right); got "
                          f"{attention_mask.tolist()!r:.80}")
@@ -495,10 +498,10 @@ def generate(
         return torch.cat([prompt_ids, *[t[:, None] for t in new]], dim=1)
     new = (torch.stack(new, 1) if new else
            torch.zeros(len(prompt_ids), 0, dtype=torch.long))       # (b, steps)
-    rows, stop_ids = [], kwargs.get('stop_ids')  # checked by generate_stream
-    for prompt, row in zip(prompt_ids, new.to(prompt_ids[0].device)):
-        if stop_ids is not None:  # cut after the first stop id
-            stops = torch.tensor(stop_ids, device=row.device).reshape(-1)
+    rows, new, stop_ids = [], new.to(prompt_ids[0].device), kwargs.get('stop_ids')
+    stops = None if stop_ids is None else _stop_ids(stop_ids, model.vocab_size, new)
+    for prompt, row in zip(prompt_ids, new):
+        if stops is not None:  # cut after the first stop id
             hits = torch.isin(row, stops).nonzero()
             if len(hits): row = row[:hits[0, 0] + 1]
         rows.append(torch.cat([prompt, row]))

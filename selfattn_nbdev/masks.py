@@ -28,7 +28,7 @@ from .core import (check_count, check_size, check_token_ids, check_tokens,
 from .causal import check_context
 from .multihead import MultiHeadAttention
 from .generation import TinyGPT, TransformerBlock, _check_cache
-from .decoding import _limit_name
+from .decoding import _limit_name, _runs_in_rows
 
 # %% ../nbs/10_masks.ipynb #m19c0007
 def causal(b, h, q_idx, kv_idx):
@@ -534,17 +534,13 @@ _varlen = {'last': ((), None, None)}  # the runs of the last shared copies
 
 def _gapless(key_padding_mask:Tensor) -> bool: # bool (b, T), True = padding
     "No padding between two real tokens of a row: packed, distances stay the row's."
-    real = ~key_padding_mask
-    before, after = real.cummax(1).values, real.flip(1).cummax(1).values.flip(1)
-    return not (key_padding_mask & before & after).any()   # the host waits
+    return bool((_runs_in_rows(~key_padding_mask) <= 1).all())   # the host waits
 
 def _cuts_into_runs(window:int|None, key_padding_mask:Tensor|None,
                     document_ids:Tensor|None, queries:Tensor) -> bool:
-    "Padding or documents; with a window, on a CPU, padding outside a compiled graph."
+    "Padding or documents; with a window, on a CPU (where `_cpu_runs` says if it may)."
     if key_padding_mask is None and document_ids is None: return False
-    if window is None: return True  # below: `_cpu_runs` reads padding, the host waits
-    return not queries.is_cuda and (key_padding_mask is None
-                                    or not torch.compiler.is_compiling())
+    return window is None or not queries.is_cuda
 
 def _runs(key_padding_mask:Tensor|None, document_ids:Tensor|None) -> VarlenRuns|None:
     "varlen_runs, found once per forward for the copies a model's blocks share."
@@ -559,8 +555,9 @@ def _runs(key_padding_mask:Tensor|None, document_ids:Tensor|None) -> VarlenRuns|
 def _cpu_runs(key_padding_mask:Tensor|None, document_ids:Tensor|None,
               window:int|None) -> VarlenRuns|None: # None: not one call per run
     "The runs, if one call each pays: few, and not a window over a row padding splits."
-    if (window is not None and key_padding_mask is not None
-            and not _gapless(key_padding_mask)): return None  # packed, distances move
+    if window is not None and key_padding_mask is not None and (  # packed, distances
+            torch.compiler.is_compiling() or not _gapless(key_padding_mask)):  # move
+        return None  # (in a compiled graph the host cannot read the padding)
     runs = _runs(key_padding_mask, document_ids)
     if runs is None: return None                     # a document comes back
     count, n = len(runs.cu_seqlens) - 1, int(runs.cu_seqlens[-1])

@@ -10,7 +10,7 @@ PIP_OPTS ?=
 INSTALLED := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help install docs test test-quick test-slow test-site bench run preview export readme hooks clean
+.PHONY: help install docs test test-quick test-slow test-site test-nbdev bench run preview export readme hooks clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -37,6 +37,10 @@ test-slow: $(INSTALLED) ## the tests marked slow: torch.compile, 4 ranks, a whee
 
 test-quick: $(INSTALLED) ## the edit loop: make test without coverage, `#| slow` cells and tests marked slow
 	$(PYTEST) -q --quick -m 'not slow and not site'
+
+# nbdev's own command, as a contributor types it: every notebook, several to a process, nbdev's worker count
+test-nbdev: $(INSTALLED) ## nbdev_test over every notebook (skips `#| slow` cells), as nbdev's docs run it
+	$(BIN)/nbdev_test
 
 test-site: $(INSTALLED) ## build the site, serve it on 127.0.0.1 and walk every page in headless Chromium
 	$(PY) -m pytest -m site -s -q

@@ -10,6 +10,7 @@ __all__ = ['check_tokens', 'check_size', 'check_flag', 'check_count', 'check_ran
 import inspect
 import math
 import numbers
+import sys
 
 import torch
 from torch import Tensor, nn
@@ -131,9 +132,40 @@ def patch(f):
                         f"with the class to add it to: def {f.__name__}(self:MyClass, "
                         f"...); got {given}")
     f.__qualname__ = f"{cls.__name__}.{f.__name__}"
-    f.replaced = cls.__dict__.get(f.__name__)  # an earlier version, kept for tests
-    setattr(cls, f.__name__, f)
+    before = cls.__dict__.get(f.__name__)
+    f.replaced = (before.visible() if isinstance(before, _NotebookMethod)
+                  else before)  # an earlier version, kept for tests
+    shared = f.__module__ == "__main__" and cls.__module__ != "__main__"
+    setattr(cls, f.__name__, _NotebookMethod(f, before) if shared else f)
     return f
+
+class _NotebookMethod:
+    "A notebook's method on a package class: the notebook that ran it sees it, no other."
+    def __init__(self, f, before): self.f, self.before = f, before
+    def visible(self): # the notebook running now sees f; any other, what was before
+        return self.f if sys.modules["__main__"].__dict__ is self.f.__globals__ else (
+            self.before.visible() if isinstance(self.before, _NotebookMethod)
+            else self.before)
+    def __get__(self, obj, owner=None):
+        f = self.visible()
+        if f is None: raise AttributeError(self.f.__name__)
+        return f.__get__(obj, owner) if hasattr(f, "__get__") else f
+
+_compiled_main = {"module": None}  # the __main__ that torch.compile last saw
+
+def _forget_old_main() -> None:
+    "A new notebook in the process: make torch.compile forget the old `__main__`."
+    main = sys.modules["__main__"]
+    if _compiled_main["module"] in (None, main):
+        _compiled_main["module"] = main; return
+    import torch._dynamo.symbolic_convert as convert  # it caches imported modules
+    convert._import_module.cache_clear()
+    for module in list(sys.modules.values()):  # and names the old one in globals
+        names = getattr(module, "__dict__", {})
+        if names.get("__import___main__") not in (None, main):
+            del names["__import___main__"]
+    torch._dynamo.reset()
+    _compiled_main["module"] = main
 
 def replaces(
     module, # an earlier page's module: its function of the same name is replaced

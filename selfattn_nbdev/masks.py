@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .core import (check_count, check_size, check_token_ids, check_tokens,
-                                 patch)
+from .core import (_forget_old_main, check_count, check_size,
+                                 check_token_ids, check_tokens, patch)
 from .causal import check_context
 from .multihead import MultiHeadAttention
 from .generation import TinyGPT, TransformerBlock, _check_cache
@@ -293,6 +293,7 @@ FLEX_RECOMPILE_LIMIT = 64  # compilations kept: mask forms x shapes x dtypes
 def _room(compiled:bool): # a context for the compiled calls
     "Room for many compilations: past the default 8, torch runs the uncompiled code."
     if not compiled or torch.compiler.is_compiling(): return contextlib.nullcontext()
+    _forget_old_main()  # notebooks that share a process (nbdev_test): see the core
     config, name = torch._dynamo.config, _limit_name()
     # a patch of torch's config holds in this thread only: each thread makes its room
     return config.patch(**{name: max(getattr(config, name), FLEX_RECOMPILE_LIMIT)})

@@ -415,6 +415,11 @@ def _decode_step(
     return step
 
 # %% ../nbs/07_batches.ipynb #d2fc0210
+def _default_stops(model:nn.Module, stop_ids): # the ids that finish a row, or None
+    "None: the model's own end-of-text ids (`model.eos_token_ids`), if any; []: none."
+    if stop_ids is None: return getattr(model, 'eos_token_ids', None)
+    return None if isinstance(stop_ids, (list, tuple)) and not stop_ids else stop_ids
+
 @replaces(generation)
 def generate_stream(
     model:nn.Module,  # follows the protocol of Generation, new_caches(capacity, pads)
@@ -424,7 +429,7 @@ def generate_stream(
     temperature:float=0.0, # 0: greedy; else sample from softmax(logits / t)
     top_k:int|None=None,   # sample among the k most likely tokens
     top_p:float|None=None, # sample among the likeliest tokens of mass top_p
-    stop_ids=None, # an id or a list of ids: a row that writes one is finished
+    stop_ids=None, # id(s) that finish a row; None: model.eos_token_ids if set; []: none
     pad_id:int|None=None, # what a finished row yields (default: its stop id)
     generator:torch.Generator|None=None, # seeded sampling, on the model's device
     compile=False, # True: torch.compile the decode step once (CUDA graphs on CUDA)
@@ -448,6 +453,7 @@ def generate_stream(
         raise ValueError(f"static=False: a growing KVCache changes shape every step "
                          f"and holds rows of one length; compile={compile!r} and "
                          f"prompts of different lengths need static=True")
+    stop_ids = _default_stops(model, stop_ids)
     stops, pad_id = _check_generation(model, token_ids, max_new_tokens, use_cache,
                                       temperature, top_k, top_p, stop_ids, pad_id)
     if max_new_tokens == 0: return iter(())
@@ -498,7 +504,8 @@ def generate(
         return torch.cat([prompt_ids, *[t[:, None] for t in new]], dim=1)
     new = (torch.stack(new, 1) if new else
            torch.zeros(len(prompt_ids), 0, dtype=torch.long))       # (b, steps)
-    rows, new, stop_ids = [], new.to(prompt_ids[0].device), kwargs.get('stop_ids')
+    rows, new = [], new.to(prompt_ids[0].device)
+    stop_ids = _default_stops(model, kwargs.get('stop_ids'))
     stops = None if stop_ids is None else _stop_ids(stop_ids, model.vocab_size, new)
     for prompt, row in zip(prompt_ids, new):
         if stops is not None:  # cut after the first stop id

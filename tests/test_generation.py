@@ -76,3 +76,23 @@ def test_a_tokenizers_padded_batch_with_its_attention_mask_is_the_list_of_its_pr
         for row, prompt, one in zip(out, prompts, alone): assert torch.equal(row[T:], one[len(prompt):])
     unmasked = generate(model, ids, 6)          # without the mask, the padding is read as prompt
     assert not torch.equal(unmasked[:, T:], out[:, T:])
+
+
+def test_generation_stops_at_the_models_end_of_text_ids():
+    "from_hf keeps a checkpoint's eos_token_id as model.eos_token_ids: generate stops there unless told otherwise."
+    from selfattn_nbdev.decoding import generate, generate_stream
+    torch.manual_seed(0)
+    model = TinyGPT(20, 64, d_model=16, num_heads=2).eval()
+    prompt = torch.tensor([3, 1, 4])
+    free = generate(model, [prompt], 12)[0][3:]                   # no end-of-text ids: 12 tokens
+    assert len(free) == 12
+    model.eos_token_ids = [int(free[4])]
+    first = int((free == free[4]).nonzero()[0, 0])                # where that id is first written
+    stopped = generate(model, [prompt], 12)[0][3:]
+    assert stopped.tolist() == free[:first + 1].tolist()          # cut after the end-of-text id
+    assert len(list(generate_stream(model, prompt[None], 12))) == first + 1
+    assert generate(model, [prompt], 12, stop_ids=[])[0][3:].tolist() == free.tolist()  # [] : no stop
+    other = int(free[first + 1]) if first + 1 < 12 else None
+    if other is not None and other != free[4]:                    # the caller's ids win over the model's
+        cut = int((free == other).nonzero()[0, 0])
+        assert generate(model, [prompt], 12, stop_ids=other)[0][3:].tolist() == free[:cut + 1].tolist()

@@ -21,6 +21,7 @@ In the light scheme, also:
   it has previous/next links at the bottom, and no link to the site's own pages leaves the local build;
   the page is at most --max-height px tall (every page's height is printed, in the table at the end);
 - on the phone width, the body does not scroll sideways and nothing outside a scroll box is wider than it;
+  no code block scrolls sideways (code wraps there, so each line's shape comment is on the screen);
   every API parameter table fits the screen, its description cells readable (see API_TABLES);
 - every attention explorer shows the package's weights (see `check_explorers`).
 On the phone width in both schemes, a display equation wider than the screen shows a scroll cue (`check_math_cues`).
@@ -169,6 +170,10 @@ PAGE_FACTS = """(VIEWPORT) => {
   const clipped = boxes.filter(e => e.scrollWidth > e.clientWidth + 1)
     .map(e => `${e.scrollWidth}>${e.clientWidth}px: ${e.innerText.split('\\n').sort((a, b) => b.length - a.length)[0].slice(0, 60)}`);
   const widest = boxes.reduce((w, e) => e.scrollWidth > w[0] ? [e.scrollWidth, e.clientWidth] : w, [0, 0]);
+  // Code (not outputs) that scrolls sideways: on a phone it wraps, so that each line's comment is on the screen.
+  const codeScrolls = boxes.filter(e => !e.closest('.cell-output, .cell-output-stdout, .cell-output-stderr, .cell-output-display')
+                                    && e.scrollWidth > e.clientWidth + 1)
+    .map(e => `${e.scrollWidth}>${e.clientWidth}px: ${e.innerText.split('\\n').sort((a, b) => b.length - a.length)[0].slice(0, 50)}`);
   const pageNav = document.querySelectorAll('nav.page-navigation a[href]').length;
   // Display equations wider than their box: on a desktop they must fit (or break into aligned lines).
   const wideMath = [...document.querySelectorAll('.katex-display, mjx-container[display]')]
@@ -187,7 +192,7 @@ PAGE_FACTS = """(VIEWPORT) => {
     .filter(th => breaksWords(th) || [...th.querySelectorAll('*')].some(breaksWords)).map(th => th.textContent.trim().slice(0, 30));
   return {links, images, ids, math, rawMath, sidebar, scrollWidth: document.documentElement.scrollWidth,
           height: document.documentElement.scrollHeight,
-          innerWidth: window.innerWidth, title: document.title, cutOff, clipped, widest, pageNav, wideMath, twice, mathSource, brokenHeaders};
+          innerWidth: window.innerWidth, title: document.title, cutOff, clipped, codeScrolls, widest, pageNav, wideMath, twice, mathSource, brokenHeaders};
 }"""
 
 
@@ -423,6 +428,8 @@ def walk(site: Path, chromium: str, max_height: int = MAX_HEIGHT) -> int:
                     rep.check(f['scrollWidth'] <= width + 1,
                               f'{where}: no sideways scroll (scrollWidth {f["scrollWidth"]} > {width})')
                     rep.check(not f['cutOff'], f'{where}: nothing wider than {width} px outside a scroll box (found {f["cutOff"]})')
+                    rep.check(not f['codeScrolls'], f'{where}: every code block wraps, its comments on the screen '
+                                                    f'({len(f["codeScrolls"])} scroll: {f["codeScrolls"][:2]})')
                     t = page.evaluate(API_TABLES)
                     rep.count('API tables', t['tables'])
                     rep.check(not t['problems'], f'{where}: every API parameter table fits the screen, its descriptions '

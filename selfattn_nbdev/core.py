@@ -140,7 +140,7 @@ def patch(f):
     return f
 
 class _NotebookMethod:
-    "A notebook's method on a package class: the notebook that ran it sees it, no other."
+    "A notebook's method on a package class: only the notebook that ran it sees it."
     def __init__(self, f, before): self.f, self.before = f, before
     def visible(self): # the notebook running now sees f; any other, what was before
         return self.f if sys.modules["__main__"].__dict__ is self.f.__globals__ else (

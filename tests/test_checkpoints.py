@@ -4,6 +4,7 @@ transformers' logits (1e-5 of the largest, float32) and its greedy `generate` (1
 what `from_hf` refuses, by name; and `save_hf`, which writes a model back: transformers loads it with no tensor
 missing or left over and the same logits, `from_hf` reads it back to the bit, and what it refuses is named."""
 import json
+import re
 import struct
 
 import pytest
@@ -17,7 +18,8 @@ from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, Gemma2Config,
 
 from selfattn_nbdev.generation import KVCache, generate
 from selfattn_nbdev.pretrained import (GPT2, DeepSeekV3, Gemma, LatentAttention, Llama, deepseek_config, from_hf,
-                                       gemma_config, read_checkpoint, read_safetensors, save_hf, to_hf_state_dict,
+                                       gemma_config, llama_config, llama_weight_map, load_hf_state_dict,
+                                       read_checkpoint, read_safetensors, save_hf, to_hf_state_dict,
                                        write_safetensors, yarn_frequencies)
 from selfattn_nbdev.recent import LlamaAttention, rope_frequencies
 
@@ -46,6 +48,9 @@ def random_biases(model):
 FAMILIES = {  # name: (transformers' model, shard size for save_pretrained)
     'gpt2': (lambda: GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=300, n_embd=64, n_layer=2, n_head=4,
                                                 initializer_range=0.1, bos_token_id=None, eos_token_id=None)), None),
+    'gpt2-untied': (lambda: GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=300, n_embd=64, n_layer=2, n_head=4,
+                                                       initializer_range=0.1, bos_token_id=None, eos_token_id=None,
+                                                       tie_word_embeddings=False)), '100KB'),
     'llama': (lambda: LlamaForCausalLM(LlamaConfig(**SMALL)), None),
     'llama-tied': (lambda: LlamaForCausalLM(LlamaConfig(**SMALL, tie_word_embeddings=True)), '100KB'),
     'llama3-rope': (lambda: LlamaForCausalLM(LlamaConfig(**SMALL, rope_parameters=LLAMA3)), '100KB'),
@@ -221,7 +226,7 @@ def test_tied_heads_stay_tied_and_options_arrive(saved):
         assert all((a.q_norm is not None) == (name == 'gemma3') for a in attn)
         if name == 'gemma3':   # the global block's RoPE: base 1e6, linear; the local ones: 1e4
             assert [(a.rope_base, a.rope_scaling) for a in attn[4:]] == [
-                (1e4, None), (1e6, {'rope_type': 'linear', 'factor': 8.0})]
+                (1e4, None), (1e6, {'rope_type': 'linear', 'factor': 8.0, 'attention_factor': 1.0})]
     if isinstance(ours, Llama):
         attn = [b.attn for b in ours.blocks]
         assert all(isinstance(a, LlamaAttention) for a in attn)
@@ -310,10 +315,14 @@ def test_gemma_config_refuses_by_name():
         gemma_config({**config, 'use_bidirectional_attention': True})
     with pytest.raises(ValueError, match="model_type='gemma' is not supported"):
         gemma_config({**config, 'model_type': 'gemma'})
-    with pytest.raises(ValueError, match="sliding blocks' RoPE"):
+    with pytest.raises(ValueError, match="rope_type='ntk' is not supported"):
         gemma_config({**config, 'model_type': 'gemma3_text', 'rope_parameters': {
             'full_attention': dict(rope_type='default', rope_theta=1e6),
-            'sliding_attention': dict(rope_type='yarn', rope_theta=1e4, factor=2.0)}})
+            'sliding_attention': dict(rope_type='ntk', rope_theta=1e4, factor=2.0)}})
+    local = gemma_config({**config, 'model_type': 'gemma3_text', 'rope_parameters': {   # each kind its own RoPE
+        'full_attention': dict(rope_type='default', rope_theta=1e6),
+        'sliding_attention': dict(rope_type='linear', rope_theta=1e4, factor=2.0)}})
+    assert (local['rope_scaling'], local['local_rope_scaling']['factor']) == (None, 2.0)
     with pytest.raises(KeyError, match='no query_pre_attn_scalar'):
         gemma_config({**config, 'query_pre_attn_scalar': None})
 
@@ -420,8 +429,8 @@ def test_what_is_refused_is_named(tmp_path):
     with pytest.raises(ValueError, match='layer_types must list'):
         from_hf({}, {**config, 'model_type': 'qwen2', 'use_sliding_window': True, 'sliding_window': 8,
                      'layer_types': ['full_attention']})
-    with pytest.raises(ValueError, match="rope_type='yarn' is not supported"):
-        LlamaAttention(64, 300, 4, rope_scaling={'rope_type': 'yarn', 'factor': 4.0})
+    with pytest.raises(ValueError, match="rope_type='ntk' is not supported"):
+        LlamaAttention(64, 300, 4, rope_scaling={'rope_type': 'ntk', 'factor': 4.0})
     with pytest.raises(AttributeError, match='rope_scaling is fixed'):
         LlamaAttention(64, 300, 4).rope_scaling = {'factor': 2.0}
 
@@ -470,8 +479,10 @@ def test_deepseek_refuses_routed_experts_and_the_rest_by_name():
         deepseek_config({**config, 'num_key_value_heads': 2})
     with pytest.raises(ValueError, match="hidden_act='gelu' is not supported"):
         deepseek_config({**config, 'hidden_act': 'gelu'})
-    with pytest.raises(ValueError, match='yarn needs a factor >= 1'):
-        deepseek_config({**config, 'rope_parameters': {**YARN, 'factor': None}})
+    with pytest.raises(ValueError, match="'yarn' needs a factor >= 1"):
+        deepseek_config({**config, 'rope_parameters': {**YARN, 'factor': 0.5}})
+    computed = deepseek_config({**config, 'rope_parameters': {**YARN, 'factor': None}})   # as transformers: 300 / 75
+    assert computed['rope_scaling']['factor'] == 4.0
     with pytest.raises(KeyError, match='no kv_lora_rank'):
         deepseek_config({**config, 'kv_lora_rank': None})
 
@@ -502,3 +513,121 @@ def test_deepseek_cache_keeps_the_latent_and_padded_prompts_work():
     together = generate(ours, prompts, 8)
     for prompt, row in zip(prompts, together):
         assert torch.equal(row, theirs.generate(prompt[None], max_new_tokens=8, do_sample=False)[0])
+
+
+def test_end_of_text_ids_come_from_the_folder(tmp_path):
+    "eos_token_id of config.json, an id or a list; generation_config.json's when it is there, as transformers reads it."
+    torch.manual_seed(0)
+    theirs = LlamaForCausalLM(LlamaConfig(**SMALL | dict(eos_token_id=5))).eval()
+    theirs.save_pretrained(tmp_path)                     # generation_config.json: 5 as well
+    assert from_hf(tmp_path).eos_token_ids == [5]
+    assert from_hf(theirs.state_dict(), theirs.config).eos_token_ids == [5]
+    generation = tmp_path/'generation_config.json'
+    generation.write_text('{}')                          # transformers' generate: no end then
+    assert from_hf(tmp_path).eos_token_ids is None
+    generation.unlink()
+    assert from_hf(tmp_path).eos_token_ids == [5]
+    prompt = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(3))
+    free = generate(from_hf(tmp_path), prompt, 12, stop_ids=[])   # an end id the model writes: its fifth new token
+    generation.write_text(json.dumps({'eos_token_id': [int(free[0, 12]), 255, 256]}))
+    ours, theirs = from_hf(tmp_path), LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    assert ours.eos_token_ids == [int(free[0, 12]), 255]   # 256, past the vocabulary, is never written
+    assert theirs.generation_config.eos_token_id == [int(free[0, 12]), 255, 256]
+    stopped = generate(ours, prompt, 12)                 # generate stops there by default
+    assert stopped.shape[1] < 20 and torch.equal(stopped, theirs.generate(prompt, max_new_tokens=12, do_sample=False))
+    assert torch.equal(generate(ours, prompt, 12, stop_ids=[]), free)   # unless told otherwise
+
+
+def test_context_length_sizes_the_rope_table(tmp_path):
+    "RoPE's table for context_length positions instead of max_position_embeddings; GPT-2's learned table is refused."
+    torch.manual_seed(0)
+    theirs = LlamaForCausalLM(LlamaConfig(**SMALL)).eval()
+    theirs.save_pretrained(tmp_path)
+    short = from_hf(tmp_path, context_length=40)
+    token_ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(): assert rel(short(token_ids), theirs(token_ids).logits) <= 1e-5
+    assert short.context_length == 40 and short.blocks[0].attn._rope_cache[0].shape == (40, 16)
+    with pytest.raises(ValueError, match='more than context_length=40'): short(torch.zeros(1, 41, dtype=torch.long))
+    long = from_hf(tmp_path, context_length=600)         # past max_position_embeddings=300, as transformers runs it
+    token_ids = torch.randint(0, 256, (1, 500), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad(): assert rel(long(token_ids), theirs(token_ids).logits) <= 1e-5
+    with pytest.raises(ValueError, match='context_length'): from_hf(tmp_path, context_length=0)
+    gpt2 = tmp_path/'gpt2'
+    GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=16, n_layer=1, n_head=2)).save_pretrained(gpt2)
+    with pytest.raises(ValueError, match='context_length=64: GPT-2 learned a vector for each of its n_positions=32'):
+        from_hf(gpt2, context_length=64)
+
+
+def test_a_hub_id_says_how_to_get_the_folder(tmp_path):
+    for hub_id in ('Qwen/Qwen3-0.6B', 'gpt2'):
+        with pytest.raises(FileNotFoundError, match=rf"source='{re.escape(hub_id)}'.*never downloads.*`hf download "
+                                                    rf"{re.escape(hub_id)} --local-dir .*snapshot_download"):
+            from_hf(hub_id)
+    with pytest.raises(FileNotFoundError, match='must be a state dict'): from_hf(str(tmp_path/'absent.safetensors'))
+
+
+def test_experts_and_other_families_are_sent_to_transformers():
+    route = r"load it with transformers: `from selfattn_nbdev.hf import register; register\(\)`, then " \
+            r"`AutoModelForCausalLM.from_pretrained\(folder, attn_implementation=\"selfattn_nbdev\"\)`"
+    config = DeepseekV3Config(**DEEPSEEK).to_dict()
+    with pytest.raises(ValueError, match='MoE is not attention.*' + route):
+        from_hf({}, {**config, 'first_k_dense_replace': 1})
+    with pytest.raises(ValueError, match="model_type='mixtral' is not supported.*" + route):
+        from_hf({}, {**LlamaConfig(**SMALL).to_dict(), 'model_type': 'mixtral'})
+
+
+def saved_llama(folder, shard=None):
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**SMALL)).save_pretrained(folder, max_shard_size=shard or '1GB')
+    return folder
+
+
+def test_a_damaged_file_is_named(tmp_path):
+    "Cut short, a header that is not JSON, a tensor past the end or of the wrong size: each named, with its file."
+    path = saved_llama(tmp_path)/'model.safetensors'
+    whole = path.read_bytes()
+    path.write_bytes(whole[:-100])
+    with pytest.raises(ValueError, match=rf"{re.escape(str(path))}: tensor \S+ F32.* truncated or damaged"):
+        from_hf(tmp_path)
+    n = int.from_bytes(whole[:8], 'little')
+    path.write_bytes(whole[:8] + b'x' * n + whole[8 + n:])
+    with pytest.raises(ValueError, match=rf"{re.escape(str(path))}: its header is not JSON"): from_hf(tmp_path)
+    write_by_hand(tmp_path/'past.safetensors', {'a': dict(dtype='F32', shape=[4], data_offsets=[0, 16])}, b'\x00' * 8)
+    with pytest.raises(ValueError, match=r'tensor a F32\[4\] needs 16 bytes and lies at bytes \d+ to \d+ of a file'):
+        read_safetensors(tmp_path/'past.safetensors')
+    write_by_hand(tmp_path/'size.safetensors', {'a': dict(dtype='F32', shape=[3], data_offsets=[0, 8])}, b'\x00' * 8)
+    with pytest.raises(ValueError, match='tensor a F32\\[3\\] needs 12 bytes'): read_safetensors(tmp_path/'size.safetensors')
+
+
+def test_a_missing_shard_is_named(tmp_path):
+    folder = saved_llama(tmp_path, '100KB')
+    index = folder/'model.safetensors.index.json'
+    weight_map = json.loads(index.read_text())['weight_map']
+    shards = sorted(set(weight_map.values()))
+    (folder/shards[1]).unlink()
+    with pytest.raises(FileNotFoundError, match=rf'names 1 shard\(s\) that .* does not hold: {shards[1]};'):
+        from_hf(folder)
+    saved_llama(folder, '100KB')
+    name = next(k for k, v in weight_map.items() if v == shards[0])   # the index puts a tensor where it is not
+    index.write_text(json.dumps({'weight_map': weight_map | {name: shards[1]}}))
+    with pytest.raises(ValueError, match=rf'puts {re.escape(name)} in {shards[1]}, which does not hold it'):
+        from_hf(folder)
+    index.write_text('{"weight_map": ')
+    with pytest.raises(ValueError, match='must be JSON with a weight_map'): from_hf(folder)
+
+
+def test_a_tensor_of_another_shape_names_its_file_and_loads_nothing(tmp_path):
+    folder = saved_llama(tmp_path, '100KB')
+    config = json.loads((folder/'config.json').read_text())
+    (folder/'config.json').write_text(json.dumps(config | {'intermediate_size': 96}))
+    with pytest.raises(ValueError, match=r'layers.0.mlp.gate_proj.weight \(in model-\d+-of-\d+.safetensors\) gives '
+                                         r'blocks.0.mlp.gate.weight the shape \(128, 64\); the model built from the '
+                                         r'config has \(96, 64\)'):
+        from_hf(folder)
+    model = Llama(**llama_config(config))                 # a model of its own: a misfit leaves it as it was
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    state, _ = read_checkpoint(folder)
+    state['model.norm.weight'] = torch.zeros(3)          # the last tensor of the map does not fit
+    with pytest.raises(ValueError, match='norm.weight gives norm.weight the shape'):
+        load_hf_state_dict(model, state, llama_weight_map(2), 'model.')
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())

@@ -131,8 +131,12 @@ def test_llama_config_refuses_what_it_lacks():
     llama31 = {'factor': 8.0, 'low_freq_factor': 1.0, 'high_freq_factor': 4.0,
                'original_max_position_embeddings': 8192, 'rope_type': 'llama3'}
     assert llama_config({**old_style, 'rope_scaling': llama31})['rope_scaling']['factor'] == 8.0
-    with pytest.raises(ValueError, match="rope_type 'dynamic'"):
-        llama_config({**config, 'rope_parameters': {'rope_theta': 1e4, 'rope_type': 'dynamic', 'factor': 2.0}})
+    with pytest.raises(ValueError, match="rope_type='ntk' is not supported"):
+        llama_config({**config, 'rope_parameters': {'rope_theta': 1e4, 'rope_type': 'ntk', 'factor': 2.0}})
+    dynamic = llama_config({**config, 'rope_parameters': {'rope_theta': 1e4, 'rope_type': 'dynamic', 'factor': 2.0}})
+    assert dynamic['rope_scaling']['original_max_position_embeddings'] == CONTEXT   # dynamic's L: max_position_embeddings
+    with pytest.raises(ValueError, match='partial_rotary_factor=0.5 is not supported'):
+        llama_config({**config, 'partial_rotary_factor': 0.5})
     with pytest.raises(ValueError, match="needs a number for each"):
         llama_config({**old_style, 'rope_scaling': {'rope_type': 'llama3', 'factor': 8.0}})
     assert llama_config({**old_style, 'rope_scaling': {'rope_type': 'default'}})['rope_base'] == 500000.0

@@ -1,0 +1,186 @@
+"""The package as an attention implementation of transformers (selfattn_nbdev.hf, page 17): every family of
+bench/hf_route.py against eager attention (logits, the gradients of a training step, greedy tokens), the routes it
+takes (run by run, Flex, explicit), the mask it is given, and what it refuses by name."""
+import subprocess, sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.masking_utils import (blockwise_overlay, causal_mask_function, chunked_causal_mask_function,
+                                        or_masks, sdpa_mask, sliding_window_causal_mask_function)
+
+from bench.hf_route import FAMILIES, REFUSED, padded_batch, prove, refusal, tiny
+from selfattn_nbdev import hf
+from selfattn_nbdev.hf import HFMask, attend, hf_attention, hf_mask, register
+from selfattn_nbdev.masks import and_masks, dense_mask, flex_mode, key_padding
+
+
+@pytest.fixture(scope='module', autouse=True)
+def registered():
+    register()
+
+
+@pytest.mark.parametrize('model_type', FAMILIES)
+def test_family_agrees_with_eager(model_type):
+    "Logits within 1e-5 and gradients within 1e-4 (relative), and the same 16 greedy tokens from a padded batch."
+    r = prove(model_type)
+    assert r['logits'] <= 1e-5, r
+    assert r['gradients'] <= 1e-4, r
+    assert r['same_tokens'] and r['new_tokens'] == 16, r
+
+
+def count_calls(monkeypatch, name: str) -> list:
+    "Wrap selfattn_nbdev.hf's `name` so that every call is counted; returns the list that grows."
+    calls, real = [], getattr(hf, name)
+    monkeypatch.setattr(hf, name, lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+def eager_and_ours(model_type: str, T: int, pads: int, **context) -> tuple:
+    "Logits of eager and of selfattn_nbdev on a batch of T tokens whose second row has `pads` pads on the left."
+    model = tiny(model_type)
+    ids, attention_mask = padded_batch(T, pads)
+    out = {}
+    with torch.no_grad():
+        for name in ('eager', 'selfattn_nbdev'):
+            model.set_attn_implementation(name)
+            out[name] = model(ids, attention_mask=attention_mask, **context).logits
+    real = attention_mask.bool()
+    return out['eager'][real], out['selfattn_nbdev'][real], out['selfattn_nbdev']
+
+
+@pytest.mark.parametrize('model_type', ['llama', 'mistral', 'deepseek_v3'])
+def test_padding_attends_run_by_run_on_a_cpu(model_type, monkeypatch):
+    "From RUNS_MIN_TOKENS tokens a CPU attends each row's real tokens alone (a window, values of another width too)."
+    varlen, runs = count_calls(monkeypatch, 'varlen_attend'), count_calls(monkeypatch, '_cpu_runs')
+    theirs, ours, everything = eager_and_ours(model_type, 1100, 300)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5 * theirs.abs().max().item())
+    assert len(varlen) == 2 and len(runs) == 1  # two blocks, one search for the runs
+    assert torch.isfinite(everything).all()      # padded queries too
+
+
+@pytest.mark.parametrize('model_type', ['gpt_oss', 'gemma2'])
+def test_sinks_and_cap_go_run_by_run_explicitly(model_type, monkeypatch):
+    "Sinks and the soft cap change the scores: on a CPU from RUNS_MIN_TOKENS tokens, the explicit path run by run."
+    by_run = count_calls(monkeypatch, '_by_run')
+    theirs, ours, everything = eager_and_ours(model_type, 1100, 300)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5 * theirs.abs().max().item())
+    assert len(by_run) == 2 and torch.isfinite(everything).all()
+
+
+@pytest.mark.parametrize('model_type', ['mistral', 'llama4_text', 'gemma2'])
+def test_flex_when_asked(model_type, monkeypatch):
+    "flex_mode('eager') sends a padded window, Llama 4's chunks (a predicate kept as it is) and the cap to Flex."
+    flex = count_calls(monkeypatch, 'flex_attend')
+    with flex_mode('eager'):
+        theirs, ours, _ = eager_and_ours(model_type, 24, 7)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5 * theirs.abs().max().item())
+    assert len(flex) == tiny(model_type).config.num_hidden_layers
+
+
+def test_short_padded_batch_takes_the_dense_mask_without_nan(monkeypatch):
+    "Below RUNS_MIN_TOKENS: SDPA with the dense mask, and a padded query (no key to see) gets zeros, not NaN."
+    model, (ids, attention_mask) = tiny('llama', 'selfattn_nbdev'), padded_batch()
+    calls = count_calls(monkeypatch, '_dense')
+    model.train()
+    logits = model(ids, attention_mask=attention_mask).logits
+    logits.sum().backward()
+    assert calls and torch.isfinite(logits).all()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_the_weights_when_asked():
+    "output_attentions=True: the explicit path's weights, equal to eager's on the real queries."
+    model, (ids, attention_mask) = tiny('gemma3_text'), padded_batch()
+    weights = {}
+    with torch.no_grad():
+        for name in ('eager', 'selfattn_nbdev'):
+            model.set_attn_implementation(name)
+            weights[name] = model(ids, attention_mask=attention_mask, output_attentions=True).attentions
+    real = attention_mask.bool()
+    for ours, theirs in zip(weights['selfattn_nbdev'], weights['eager']):
+        torch.testing.assert_close(ours.transpose(1, 2)[real], theirs.transpose(1, 2)[real], rtol=0, atol=1e-6)
+
+
+def test_dropout_in_training_only():
+    "transformers passes the attention dropout in training: the weights are dropped then, never in eval."
+    model = tiny('llama', 'selfattn_nbdev')
+    model.config.attention_dropout = 0.5
+    for layer in model.model.layers: layer.self_attn.attention_dropout = 0.5
+    ids, attention_mask = padded_batch()
+    with torch.no_grad():
+        first, second = (model(ids, attention_mask=attention_mask).logits for _ in range(2))
+        model.train()
+        third, fourth = (model(ids, attention_mask=attention_mask).logits for _ in range(2))
+    assert torch.equal(first, second) and not torch.equal(third, fourth)
+
+
+def test_the_mask_transformers_asks_for():
+    "Causal and windows recognised (a cache's offsets too); anything else (chunks, image tokens) kept and asked."
+    plain = hf_mask(2, 5, 5, attention_mask=torch.ones(2, 5, dtype=torch.bool))
+    assert (plain.known, plain.window, plain.padding) == (True, None, None)
+    step = hf_mask(2, 1, 8, q_offset=30, kv_offset=23, local_size=8,
+                   mask_function=sliding_window_causal_mask_function(8))
+    assert step.known and step.window is None             # every key of the window's cache in reach
+    real = torch.ones(2, 12, dtype=torch.bool)
+    real[0, :4] = False
+    window = hf_mask(2, 12, 12, mask_function=sliding_window_causal_mask_function(5), attention_mask=real,
+                     local_size=5)
+    assert (window.known, window.window) == (True, 5) and window.padding[0].tolist() == [True] * 4 + [False] * 8
+    chunked = chunked_causal_mask_function(4, torch.tensor([4, 0]))
+    chunks = hf_mask(2, 12, 12, mask_function=chunked, attention_mask=real, local_size=4)
+    theirs = sdpa_mask(2, 12, 12, mask_function=chunked, attention_mask=real, allow_is_causal_skip=False)
+    asked = dense_mask(and_masks(chunks.mask_mod, key_padding(chunks.padding)), 12, batch=2)
+    assert not chunks.known and torch.equal(asked, theirs)
+    assert isinstance(chunks, HFMask) and chunks.batch == 2
+    blocks = torch.tensor([[-1, 0, 0, 0] + [-1] * 8, [-1] * 6 + [1] * 3 + [-1] * 3])  # image tokens: both ways
+    images = or_masks(causal_mask_function, blockwise_overlay(blocks))
+    seen = hf_mask(2, 12, 12, mask_function=images, attention_mask=real, use_vmap=True)
+    theirs = sdpa_mask(2, 12, 12, mask_function=images, attention_mask=real, allow_is_causal_skip=False, use_vmap=True)
+    asked = dense_mask(and_masks(seen.mask_mod, key_padding(seen.padding)), 12, batch=2)
+    assert not seen.known and torch.equal(asked, theirs)
+
+
+def test_attend_scales_the_queries():
+    "transformers' scale replaces 1/sqrt(head_dim): attend with scale s equals SDPA with scale=s."
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 1, 2, 6, 8, dtype=torch.float64)
+    for scale in (None, 0.1, 1.0):
+        ours, _ = attend(q, k, v, hf_mask(1, 6, 6), scale)
+        torch.testing.assert_close(ours, F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale))
+
+
+@pytest.mark.parametrize('model_type', REFUSED)
+def test_refused_by_name(model_type):
+    "An encoder-decoder's or an encoder's attention is refused at the first call, naming is_causal."
+    message = refusal(model_type)
+    assert 'is_causal=False' in message and 'expected is_causal=True' in message, message
+
+
+def test_what_is_refused_names_the_argument():
+    mask = hf_mask(1, 4, 4)
+    q = torch.randn(1, 2, 4, 8)
+    decoder = type('LlamaAttention', (), {'is_causal': True})()
+    with pytest.raises(ValueError, match="LlamaAttention passes position_bias"):
+        hf_attention(decoder, q, q, q, mask, position_bias=torch.zeros(1))
+    with pytest.raises(ValueError, match=r"attention_mask must be the HFMask .* got NoneType"):
+        hf_attention(decoder, q, q, q, None)
+    with pytest.raises(ValueError, match="made for 4 queries and 4 keys; LlamaAttention gives 4 and 5"):
+        hf_attention(decoder, q, torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), mask)
+    with pytest.raises(ValueError, match='is_causal=False'):
+        hf_attention(decoder, q, q, q, mask, is_causal=False)
+    out, weights = hf_attention(decoder, q, q, q, mask, position_ids=torch.arange(4), use_cache=True)
+    assert out.shape == (1, 4, 2, 8) and weights is None
+
+
+def test_register_takes_a_name():
+    assert register('selfattn_nbdev_again') == 'selfattn_nbdev_again'
+    model, (ids, attention_mask) = tiny('mistral', 'selfattn_nbdev_again'), padded_batch()
+    with torch.no_grad(): assert torch.isfinite(model(ids, attention_mask=attention_mask).logits).all()
+
+
+def test_importing_the_module_leaves_transformers_alone():
+    "The package depends on torch alone: transformers is imported by register(), not by importing selfattn_nbdev.hf."
+    code = 'import sys, selfattn_nbdev.hf; print("transformers" in sys.modules)'
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == 'False'

@@ -15,13 +15,13 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .causal import check_context
-from .core import check_size, check_tokens
+from .causal import causal_mask, check_context
+from .core import check_flag, check_size, check_tokens
 from .distributed import _max_diff
 from .modern import repeat_kv
 from .multihead import MultiHeadAttention
-from .tiled import (_check_attention_inputs, _tile_scores,
-                                  online_softmax_step)
+from .tiled import (_check_attention_inputs, _check_causal_fits,
+                                  _scale_of, _tile_scores, online_softmax_step)
 
 # %% ../nbs/16_ring.ipynb #49b44e6f
 def sequence_chunks(
@@ -131,13 +131,13 @@ def _ring_forward(
     keys:Tensor,    # this rank's keys, (..., kv_heads, T_local, head_dim)
     values:Tensor,  # this rank's values, the keys' shape
     causal:bool, order:str, group, # as in ring_attention
+    scale:float, # c: the scores are c QKᵀ
 ) -> tuple: # context vectors (..., T_local, head_dim) and L (..., T_local, 1)
     "Fold every rank's key/value block into the online softmax as it passes by."
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     chunk = queries.shape[-2] // len(sequence_chunks(rank, size, order))
     groups = _kv_groups(queries, keys)
-    scale = 1 / math.sqrt(queries.shape[-1])  # the backward's: the same scores twice
-    q_chunks = (queries * scale).split(chunk, dim=-2)
+    q_chunks = (queries * scale).split(chunk, dim=-2)  # as the backward: same scores
     m = [q.new_full(q.shape[:-1] + (1,), -math.inf) for q in q_chunks]  # (.., c, 1)
     l = [torch.zeros_like(mi) for mi in m]                               # (.., c, 1)
     acc = [torch.zeros_like(q) for q in q_chunks]                        # (.., c, hd)
@@ -163,13 +163,12 @@ def _ring_backward(
     grad_context:Tensor, # dO for this rank's queries, (..., T_local, head_dim)
     queries:Tensor, keys:Tensor, values:Tensor, # this rank's, as in the forward
     context_vecs:Tensor, lse:Tensor, # the forward's O and L for this rank's queries
-    causal:bool, order:str, group, # as in the forward
+    causal:bool, order:str, group, scale:float, # as in the forward
 ) -> tuple: # dQ, dK, dV for this rank's queries, keys and values
     "Send the key/value blocks round again, with their gradients riding along."
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     chunk = queries.shape[-2] // len(sequence_chunks(rank, size, order))
     groups = _kv_groups(queries, keys)
-    scale = 1 / math.sqrt(queries.shape[-1])
     split = lambda t: list(t.split(chunk, dim=-2))  # views; += writes through
     D = (grad_context * context_vecs).sum(-1, keepdim=True)          # (..., T_local, 1)
     q_chunks, dO = split(queries * scale), split(grad_context)
@@ -202,20 +201,20 @@ def _ring_backward(
 class _RingAttention(torch.autograd.Function):
     "Ring attention whose backward sends the blocks round again (no T x T kept)."
     @staticmethod
-    def forward(ctx, queries, keys, values, causal, order, group):
+    def forward(ctx, queries, keys, values, causal, order, group, scale):
         "Go round the ring once; save the local inputs, the output and L."
-        context_vecs, lse = _ring_forward(queries, keys, values, causal, order, group)
+        context_vecs, lse = _ring_forward(queries, keys, values, causal, order, group,
+                                          scale)
         ctx.save_for_backward(queries, keys, values, context_vecs, lse)
-        ctx.causal, ctx.order, ctx.group = causal, order, group
+        ctx.settings = causal, order, group, scale
         return context_vecs
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_context):
         "Gradients of this rank's queries, keys and values; none for the rest."
-        grads = _ring_backward(grad_context, *ctx.saved_tensors, ctx.causal,
-                               ctx.order, ctx.group)
-        return *grads, None, None, None
+        grads = _ring_backward(grad_context, *ctx.saved_tensors, *ctx.settings)
+        return *grads, None, None, None, None
 
 # %% ../nbs/16_ring.ipynb #d55ebd24
 #| code-fold: true
@@ -248,10 +247,12 @@ def ring_attention(
     causal:bool=False, # query i sees keys 0..i only, in whole-sequence positions
     order:str='zigzag', # how the sequence was sharded: as in shard_sequence
     group=None, # the ranks of the ring (None: every rank)
+    scale:float|None=None, # c in softmax(c QKᵀ); None: 1/sqrt(head_dim), as SDPA
 ) -> Tensor: # this rank's context vectors, (..., num_tokens // R, head_dim)
     "Attention over a sequence split across ranks: key/value blocks go round a ring."
     _check_ring_inputs(queries, keys, values, causal, order, group)
-    return _RingAttention.apply(queries, keys, values, causal, order, group)
+    scale = _scale_of(scale, queries.shape[-1])
+    return _RingAttention.apply(queries, keys, values, causal, order, group, scale)
 
 # %% ../nbs/16_ring.ipynb #7ef6b0dc
 #| code-fold: true
@@ -310,6 +311,12 @@ def context_parallel(
         if value:  # used by this module: None, False and 0 are not
             raise ValueError(f"context_parallel runs causal or full attention without "
                              f"{name}; got {name}={value} (training={module.training})")
+    rope = (getattr(module, 'rope_scaling', None) or {}).get('rope_type')
+    if rope in ('dynamic', 'longrope'):  # frequencies from the longest position seen
+        raise ValueError(f"context_parallel cannot shard rope_scaling of rope_type "
+                         f"{rope!r}: it picks RoPE's frequencies from the longest "
+                         f"position seen, and each rank sees only its share; got "
+                         f"rope_type={rope!r}")
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     chunks, num_local = len(sequence_chunks(rank, size, order)), x.shape[-2]
     if num_local == 0 or num_local % chunks:
@@ -361,7 +368,7 @@ def check_context_parallel(
 # %% ../nbs/16_ring.ipynb #211dcc2a
 #| code-fold: true
 #| code-summary: "Code: _check_split_kv"
-def _check_split_kv(queries, keys, values, allowed) -> None:
+def _check_split_kv(queries, keys, values, allowed, causal) -> None:
     "Raise a clear error unless `split_kv_attention` can take these (see its shapes)."
     shapes = [tuple(getattr(t, 'shape', ())) for t in (queries, keys, values)]
     if not (all(len(s) == 4 for s in shapes) and shapes[0][0] == shapes[1][0]
@@ -375,6 +382,7 @@ def _check_split_kv(queries, keys, values, allowed) -> None:
     if len(set(kinds)) > 1 or not queries.is_floating_point():
         raise TypeError(f"queries, keys and values must share one floating dtype and "
                         f"device; got {kinds}")
+    check_flag(causal, 'causal'); _check_causal_fits(causal, shapes[0][2], shapes[1][2])
     if allowed is None: return
     full = (*shapes[0][:3], shapes[1][2])                    # (b, heads, T, S)
     if (not isinstance(allowed, Tensor) or allowed.dtype != torch.bool
@@ -392,20 +400,23 @@ def split_kv_attention(
     values:Tensor,  # (b, kv_heads, S, d_v)
     num_splits:int=8, # n: chunks of the keys, computed at once
     allowed:Tensor|None=None, # bool, broadcastable to (b, heads, T, S): True = attend
+    scale:float|None=None, # c in softmax(c QKᵀ); None: 1/sqrt(head_dim), as SDPA
+    causal:bool=False, # query i sees keys j <= i + S - T: bottom-right
 ) -> Tensor: # context vectors (b, heads, T, d_v)
-    "softmax(QKᵀ/√d) V from n partial softmaxes over chunks of the keys, merged."
-    _check_split_kv(queries, keys, values, allowed)
+    "softmax(c QKᵀ) V from n partial softmaxes over chunks of the keys, merged."
+    _check_split_kv(queries, keys, values, allowed, causal)
     check_size(num_splits, 'num_splits')
     (b, h, T, d), (kv, S) = queries.shape, keys.shape[1:3]
     g, chunk = h // kv, -(-S // num_splits)            # query heads per kv head
     n, pad = -(-S // chunk), -(-S // chunk) * chunk - S
     k, v = (F.pad(t, (0, 0, 0, pad)).view(b, kv, n, chunk, -1) for t in (keys, values))
-    q = queries.reshape(b, kv, 1, g * T, d) / math.sqrt(d)     # the group's queries
+    q = queries.reshape(b, kv, 1, g * T, d) * _scale_of(scale, d)  # the group's
     work = torch.promote_types(queries.dtype, torch.float32)  # half: the sums in fp32
     s = (q @ k.transpose(-2, -1)).to(work)                    # (b, kv, n, g·T, chunk)
-    if allowed is not None or pad:  # a mask only where some key is hidden
+    if allowed is not None or pad or causal:  # a mask only where a key is hidden
         seen = torch.ones(b, h, T, S, dtype=torch.bool, device=keys.device)
         if allowed is not None: seen = seen & allowed
+        if causal: seen = seen & ~causal_mask(T, keys.device, num_keys=S)
         seen = F.pad(seen, (0, pad)).view(b, kv, g * T, n, chunk).transpose(2, 3)
         s = s.masked_fill(~seen, -math.inf)
     m = s.amax(-1, keepdim=True)                              # (b, kv, n, g·T, 1)

@@ -6,7 +6,7 @@
 __all__ = ['online_softmax_step', 'online_softmax', 'tiled_attention', 'alibi_slopes', 'alibi']
 
 # %% ../nbs/11_tiled.ipynb #717c9fe9
-import functools, math
+import functools, math, numbers
 from contextlib import nullcontext
 from typing import Callable
 
@@ -61,11 +61,11 @@ def _tile_index(
     return b, h, arange(q0, q0 + num_q)[:, None], arange(k0, k0 + num_k)[None]
 
 def _tile_scores(
-    queries:Tensor, # a block of queries, divided by sqrt(head_dim), (..., bq, hd)
+    queries:Tensor, # a block of queries, times the scale, (..., bq, hd)
     keys:Tensor,    # a block of keys, (..., bk, hd)
-    q0:int,         # position of the block's first query
+    q0:int,         # position of the block's first query in the sequence
     k0:int,         # position of the block's first key
-    causal:bool,    # hide from query i every key after i
+    causal:bool,    # hide from each query every key after its position
     score_mod:Callable|None=None, # changes each score: (s, b, h, q_idx, kv_idx) -> s
 ) -> Tensor: # scores (..., bq, bk), -inf where hidden
     "One tile of scores, masked only where the tile crosses the diagonal."
@@ -90,6 +90,21 @@ def _tile_kinds(
     visited = (hi != EMPTY).nonzero().tolist()                # [[i, j], ...]
     return {(i, j): k for (i, j), k in zip(visited, kind[hi != EMPTY].tolist())}
 
+def _first_position(
+    block_mask:TileMask|None, num_tokens:int, num_keys:int, # as tiled_attention has
+) -> int: # the position of query row 0: row i stands at i + this
+    "The queries are the last of the key positions (after a cache), or the mask's."
+    return num_keys - num_tokens if block_mask is None else block_mask.q_offset
+
+def _scale_of(scale, head_dim:int) -> float: # c, by which the scores QKᵀ are multiplied
+    "`scale` if a finite number above 0; None: 1/sqrt(head_dim), as SDPA; else raise."
+    if scale is None: return 1 / math.sqrt(head_dim)
+    if (isinstance(scale, bool) or not isinstance(scale, numbers.Real)
+            or not 0 < scale < math.inf):
+        raise ValueError(f"scale must be None (1/sqrt(head_dim)) or a finite number "
+                         f"> 0; got {scale!r}")
+    return float(scale)
+
 def _key_starts(
     kinds:dict|None, q0:int, last_key:int, block_size:int, # the row of tiles at q0
 ) -> list: # the first key of every tile to visit in that row
@@ -100,16 +115,18 @@ def _key_starts(
             if (i, k0 // block_size) in kinds]
 
 def _masked_tile_scores(
-    q_blk:Tensor, k_blk:Tensor, q0:int, k0:int, causal:bool, # as for _tile_scores
+    q_blk:Tensor, k_blk:Tensor, q0:int, k0:int, causal:bool, # q0: the first row
     kinds:list|None, # from _tile_kinds
     block_mask:TileMask|None, # asked for the mask of a partial tile
     score_mod:Callable|None=None, # as for _tile_scores
+    shift:int=0, # a query row's position is row + shift: _first_position
 ) -> Tensor|None: # scores (..., bq, bk), -inf where hidden; None: an empty tile
     "A tile's scores with the causal and the block mask; None when nothing is seen."
     bs = 1 if block_mask is None else block_mask.block_size
     kind = FULL if kinds is None else kinds.get((q0 // bs, k0 // bs), EMPTY)
     if kind == EMPTY: return None                       # skipped: not even computed
-    attn_scores = _tile_scores(q_blk, k_blk, q0, k0, causal, score_mod)  # (.., bq, bk)
+    attn_scores = _tile_scores(q_blk, k_blk, q0 + shift, k0, causal,
+                               score_mod)                      # (..., bq, bk)
     if kind == PARTIAL:                                 # ask the predicate
         visible = block_mask.tile(q0, k0, k_blk.device) # (B | 1, H | 1, bq, bk)
         if attn_scores.dim() < 4: visible = visible[0, 0]
@@ -122,15 +139,17 @@ def _tiled_forward(
     queries:Tensor, # (..., num_tokens, head_dim)
     keys:Tensor,    # (..., num_keys, head_dim)
     values:Tensor,  # (..., num_keys, d_v)
-    causal:bool,    # query i sees keys 0..i only
+    causal:bool,    # query i sees keys up to its position, i + num_keys - num_tokens
     block_size:int, # tokens per block, for queries and for keys
     block_mask:TileMask|None=None, # which tiles to skip, mask or leave whole
     score_mod:Callable|None=None, # changes each score before the softmax
     sinks:Tensor|None=None, # one more logit per head, (heads,): weight, no value
+    scale:float|None=None, # c in the scores c QKᵀ; None: 1/sqrt(head_dim)
 ) -> tuple: # context vectors (..., num_tokens, d_v) and L (..., num_tokens, 1)
     "Context vectors and each query's log-sum-exp L, computed tile by tile."
     num_tokens, num_keys = queries.shape[-2], keys.shape[-2]
-    scale = 1 / math.sqrt(queries.shape[-1])
+    scale = _scale_of(scale, queries.shape[-1])
+    shift = _first_position(block_mask, num_tokens, num_keys)  # row i: at i + shift
     kinds = _tile_kinds(block_mask)
     context_vecs = values.new_empty(queries.shape[:-1] + values.shape[-1:])
     lse = queries.new_empty(queries.shape[:-1] + (1,))                   # (..., T, 1)
@@ -141,11 +160,12 @@ def _tiled_forward(
         if sinks is not None:  # the sink's term e^(σ - m) starts the sum: m = σ, l = 1
             m, l = m.copy_(sinks.to(m.dtype)[:, None, None]), l + 1
         acc = values.new_zeros(q_blk.shape[:-1] + values.shape[-1:])  # (..., bq, d_v)
-        last_key = min(num_keys, q0 + q_blk.shape[-2]) if causal else num_keys
+        last = q0 + shift + q_blk.shape[-2]          # after the block's last position
+        last_key = min(num_keys, last) if causal else num_keys
         for k0 in _key_starts(kinds, q0, last_key, block_size):  # no empty tile
             k_blk = keys[..., k0:k0 + block_size, :]                     # (..., bk, hd)
             attn_scores = _masked_tile_scores(q_blk, k_blk, q0, k0, causal, kinds,
-                                              block_mask, score_mod)     # (..., bq, bk)
+                                              block_mask, score_mod, shift)
             if attn_scores is None: continue                             # empty tile
             m, l, rescale, exp_scores = online_softmax_step(m, l, attn_scores)
             acc = acc * rescale + exp_scores @ values[..., k0:k0 + block_size, :]
@@ -167,10 +187,12 @@ def _tiled_backward(
     block_mask:TileMask|None=None, # as in the forward pass
     score_mod:Callable|None=None, # as in the forward pass
     sinks:Tensor|None=None, # as in the forward pass
+    scale:float|None=None, # as in the forward pass
 ) -> tuple: # the gradients of queries, keys, values and sinks
     "dQ, dK, dV (and dσ) from O and L, recomputing the weights P tile by tile."
     num_tokens, num_keys = queries.shape[-2], keys.shape[-2]
-    scale = 1 / math.sqrt(queries.shape[-1])
+    scale = _scale_of(scale, queries.shape[-1])
+    shift = _first_position(block_mask, num_tokens, num_keys)
     kinds = _tile_kinds(block_mask)
     lse = lse.masked_fill(lse == -math.inf, math.inf)  # a query that saw nothing: P = 0
     D = (grad_context * context_vecs).sum(-1, keepdim=True)    # (..., T, 1)
@@ -181,7 +203,8 @@ def _tiled_backward(
     for k0 in range(0, num_keys, block_size):
         cols = slice(k0, k0 + block_size)
         k_blk, v_blk = keys[..., cols, :], values[..., cols, :]  # (..., bk, hd | d_v)
-        for q0 in range(k0 if causal else 0, num_tokens, block_size):
+        first = max(0, k0 - shift) // block_size * block_size if causal else 0
+        for q0 in range(first, num_tokens, block_size):  # from the first that sees k0
             rows = slice(q0, q0 + block_size)
             q_blk = queries[..., rows, :] * scale                     # as in forward
             if score_mod is not None:  # its chain rule by autograd, on this tile only
@@ -189,7 +212,7 @@ def _tiled_backward(
             with torch.enable_grad() if score_mod is not None else nullcontext():
                 attn_scores = _masked_tile_scores(q_blk, k_tile if score_mod else
                                                   k_blk, q0, k0, causal, kinds,
-                                                  block_mask, score_mod)
+                                                  block_mask, score_mod, shift)
             if attn_scores is None: continue                          # empty tile
             attn_weights = torch.exp(attn_scores - lse[..., rows, :])  # P (.., bq, bk)
             grad_out = grad_context[..., rows, :]                    # dO (.., bq, d_v)
@@ -211,12 +234,13 @@ class _TiledAttention(torch.autograd.Function):
     "Tiled attention whose backward recomputes the weights from O and L."
     @staticmethod
     def forward(ctx, queries, keys, values, causal, block_size, block_mask=None,
-                score_mod=None, sinks=None):
+                score_mod=None, sinks=None, scale=None):
         "Run the tiles; save the inputs, the output and L, nothing of size T x T."
         context_vecs, lse = _tiled_forward(queries, keys, values, causal, block_size,
-                                           block_mask, score_mod, sinks)
+                                           block_mask, score_mod, sinks, scale)
         ctx.save_for_backward(queries, keys, values, context_vecs, lse, sinks)
         ctx.settings = causal, block_size, block_mask, score_mod
+        ctx.scale = scale
         return context_vecs
 
     @staticmethod
@@ -228,8 +252,9 @@ class _TiledAttention(torch.autograd.Function):
                 "differentiated again: create_graph=True (second-order gradients) is "
                 "not supported; use F.scaled_dot_product_attention for those")
         *saved, sinks = ctx.saved_tensors
-        *grads, grad_sinks = _tiled_backward(grad_context, *saved, *ctx.settings, sinks)
-        return *grads, None, None, None, None, grad_sinks
+        *grads, grad_sinks = _tiled_backward(grad_context, *saved, *ctx.settings, sinks,
+                                             ctx.scale)
+        return *grads, None, None, None, None, grad_sinks, None
 
 # %% ../nbs/11_tiled.ipynb #6e0d615a
 def _check_attention_inputs(
@@ -267,6 +292,15 @@ def _check_attention_inputs(
     check_size(keys.shape[-2], 'the number of keys')
     check_size(queries.shape[-1], 'head_dim')
     check_flag(causal, 'causal'); check_size(block_size, 'block_size')
+    _check_causal_fits(causal, queries.shape[-2], keys.shape[-2])
+
+def _check_causal_fits(causal:bool, num_tokens:int, num_keys:int) -> None:
+    "causal=True: the queries are the last num_tokens positions, so keys >= queries."
+    if causal and num_keys < num_tokens:
+        raise ValueError(f"causal=True puts the queries at the last num_tokens of the "
+                         f"num_keys positions (bottom-right, as after a cache), so it "
+                         f"needs num_keys >= num_tokens; got num_tokens={num_tokens}, "
+                         f"num_keys={num_keys}")
 
 # %% ../nbs/11_tiled.ipynb #b10c4a5e
 def _check_block_mask(
@@ -292,14 +326,16 @@ def tiled_attention(
     queries:Tensor, # (..., num_tokens, head_dim)
     keys:Tensor,    # (..., num_keys, head_dim)
     values:Tensor,  # (..., num_keys, d_v)
-    causal:bool=False, # query i sees keys 0..i only (top-left, as SDPA's is_causal)
+    causal:bool=False, # query i sees keys j <= i + num_keys - num_tokens: bottom-right
     block_size:int=64, # tokens per tile, for queries and for keys
     block_mask:TileMask|None=None, # from masks.block_mask: tiles to skip or mask
     score_mod:Callable|None=None, # (s, b, h, q_idx, kv_idx) -> s, e.g. alibi(slopes)
     sinks:Tensor|None=None, # (heads,): one more logit per head, with no value
+    scale:float|None=None, # c in softmax(c QKᵀ); None: 1/sqrt(head_dim), as SDPA
 ) -> Tensor: # context vectors (..., num_tokens, d_v)
-    "softmax(QKᵀ/√d) V tile by tile: no (num_tokens, num_keys) matrix, forward or back."
+    "softmax(c QKᵀ) V tile by tile: no (num_tokens, num_keys) matrix, forward or back."
     _check_attention_inputs(queries, keys, values, causal, block_size)
+    scale = _scale_of(scale, queries.shape[-1])
     if block_mask is not None:
         _check_block_mask(block_mask, queries, keys)
         block_size = block_mask.block_size
@@ -307,10 +343,11 @@ def tiled_attention(
     if queries.dtype in (torch.float16, torch.bfloat16):  # the tiles in float32, as
         out = tiled_attention(queries.float(), keys.float(), values.float(), causal,
                               block_size, block_mask,     # SDPA's kernels compute them
-                              score_mod, None if sinks is None else sinks.float())
+                              score_mod, None if sinks is None else sinks.float(),
+                              scale)
         return out.to(values.dtype)
     return _TiledAttention.apply(queries, keys, values, causal, block_size, block_mask,
-                                 score_mod, sinks)
+                                 score_mod, sinks, scale)
 
 # %% ../nbs/11_tiled.ipynb #fda648e3
 def alibi_slopes(

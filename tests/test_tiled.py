@@ -1,5 +1,6 @@
 """`tiled_attention` against PyTorch's fused kernel: lengths from 1 to 2,000, many block sizes, float32 and float64,
 with and without the causal mask, forward and gradients; the online softmax; the properties every attention has.
+With T queries over S keys the causal mask is aligned bottom-right, as after a cache (tests/test_scale_causal.py).
 
 The notebook (nbs/11_tiled.ipynb) shows a few cases; this is the sweep. Lengths up to 33 are all tried, longer ones
 sampled around powers of two and up to 2,000; for each length, block sizes from 1 to beyond the length, as long as a
@@ -105,7 +106,7 @@ def test_gradients_equal_sdpa(dtype, record_diff):
 @pytest.mark.no_cover  # a sweep of Python loops: slow under coverage's tracer; the small tests below cover the lines
 @pytest.mark.parametrize('causal', [False, True])
 def test_gradcheck_in_float64(causal):
-    for T, S, block_size in [(1, 1, 1), (7, 7, 3), (5, 9, 2), (9, 5, 4)]:
+    for T, S, block_size in [(1, 1, 1), (7, 7, 3), (5, 9, 2), (9, 5, 4)][:4 - causal]:  # causal: S >= T
         inputs = qkv(T, torch.float64, num_keys=S, d_v=3, requires_grad=True, lead=(1,), head_dim=2)
         assert torch.autograd.gradcheck(lambda q, k, v: tiled_attention(q, k, v, causal, block_size), inputs)
 
@@ -120,15 +121,18 @@ def test_second_derivatives_are_refused_not_wrong():
 
 @pytest.mark.parametrize('T,S', [(5, 9), (9, 5), (1, 30), (30, 1), (64, 200), (200, 64)])
 def test_more_or_fewer_keys_than_queries_follow_sdpa(T, S):
-    "is_causal in SDPA is top-left: query i sees keys 0..i."
+    """Causal is bottom-right: the queries are the last T of the S positions, query i sees keys j <= i + S - T
+    (SDPA given that mask; its is_causal is top-left). Fewer keys than queries: refused when causal."""
     q, k, v = qkv(T, torch.float64, num_keys=S, d_v=5, seed=S)
     for causal in (False, True):
+        if causal and S < T:
+            with pytest.raises(ValueError, match=f'needs num_keys >= num_tokens; got num_tokens={T}, num_keys={S}'):
+                tiled_attention(q, k, v, causal)
+            continue
+        seen = ~causal_mask(T, num_keys=S) if causal else None
         for block_size in (b for b in (1, 3, 64) if math.ceil(T / b) * math.ceil(S / b) <= 100):
             torch.testing.assert_close(tiled_attention(q, k, v, causal, block_size),
-                                       F.scaled_dot_product_attention(q, k, v, is_causal=causal), atol=1e-12, rtol=0)
-    mask = torch.ones(T, S, dtype=torch.bool).tril()
-    torch.testing.assert_close(tiled_attention(q, k, v, True, 4),
-                               F.scaled_dot_product_attention(q, k, v, attn_mask=mask), atol=1e-12, rtol=0)
+                                       F.scaled_dot_product_attention(q, k, v, attn_mask=seen), atol=1e-12, rtol=0)
 
 
 def test_any_leading_dims_and_strided_inputs():
@@ -218,12 +222,13 @@ def test_online_softmax_step_does_not_depend_on_how_the_row_is_cut():
         torch.testing.assert_close(l, torch.exp(scores - m).sum(-1, keepdim=True))
 
 
-def test_cache_alignment_by_padding_the_queries():
-    "The page's exercise: bottom-right (KV cache) causal attention from the top-left kernel."
+def test_queries_after_a_cache_are_the_last_positions():
+    "3 queries after 5 cached keys equal the last 3 rows of the 8 queries over the same keys, and are no padding trick."
     q, k, v = qkv(3, torch.float64, num_keys=8)
     padded = torch.cat([torch.zeros(1, 2, 5, 16, dtype=torch.float64), q], dim=2)
-    torch.testing.assert_close(tiled_attention(padded, k, v, True, 2)[..., 5:, :],
-                               F.scaled_dot_product_attention(q, k, v, attn_mask=~causal_mask(3, num_keys=8)))
+    for block_size in (1, 2, 3, 64):
+        torch.testing.assert_close(tiled_attention(q, k, v, True, block_size),
+                                   tiled_attention(padded, k, v, True, block_size)[..., 5:, :], atol=1e-14, rtol=0)
 
 
 def test_errors_say_what_was_expected_and_what_was_given():

@@ -745,6 +745,11 @@ class LatentAttention(nn.Module):
         first, second, allowed = cache.update(first, second, self)
         return torch.cat([first, second], dim=-1)[..., :width], allowed
 
+    def _absorbs(self, T:int, S:int) -> bool: # T new tokens over S in the cache
+        "Fewer multiply-adds through the latents than rebuilding S keys and values?"
+        d_c, wide = self.kv_rank, self.nope_dim + self.v_dim
+        return T * S * (2 * d_c - wide) < d_c * wide * (S - T)
+
     def forward(self,
                 x:Tensor, # tokens, (b, num_tokens, d_model) or (num_tokens, d_model)
                 cache=None, # a KVCache or StaticKVCache: x holds only the new tokens
@@ -775,16 +780,44 @@ class LatentAttention(nn.Module):
                             self._turn(k_rope[:, None], cos, sin)], dim=-1)
         allowed = None
         if cache is not None: latent, allowed = self._cached(cache, latent)
-        c, k_rope = latent.split([self.kv_rank, self.rope_dim], dim=-1)  # (b, 1, S, .)
-        S = c.shape[2]
-        kv = self.W_UKV(c[:, 0]).view(b, S, self.num_heads, -1).transpose(1, 2)
-        k_nope, values = kv.split([self.nope_dim, self.v_dim], dim=-1)  # (b, h, S, .)
-        keys = torch.cat([k_nope, k_rope.expand(-1, self.num_heads, -1, -1)], dim=-1)
+        S = latent.shape[2]
         if allowed is None and T > 1: allowed = ~causal_mask(T, x.device, S)
-        context = F.scaled_dot_product_attention(  # (b, h, T, v_dim)
-            queries, keys, values, allowed, scale=self.scale,
-            dropout_p=self.dropout if self.training else 0.0)
+        dropout = self.dropout if self.training else 0.0
+        if cache is not None and self._absorbs(T, S):  # decoding: W_UK, W_UV moved
+            context = _attend_latents(queries, latent, self.W_UKV.weight, allowed,
+                                      self.scale, dropout)  # (b, h, T, v_dim)
+        else:  # prefill, training: every head's keys and values rebuilt, W_UKV c_t
+            c, k_rope = latent.split([self.kv_rank, self.rope_dim], dim=-1)
+            kv = self.W_UKV(c[:, 0]).view(b, S, self.num_heads, -1).transpose(1, 2)
+            k_nope, values = kv.split([self.nope_dim, self.v_dim], dim=-1)
+            keys = torch.cat([k_nope, k_rope.expand(-1, self.num_heads, -1, -1)], -1)
+            context = F.scaled_dot_product_attention(  # (b, h, T, v_dim)
+                queries, keys, values, allowed, scale=self.scale, dropout_p=dropout)
         return self.out_proj(context.transpose(1, 2).reshape(b, T, -1))
+
+# %% ../nbs/13_pretrained.ipynb #d8ae4645
+def _attend_latents(
+    queries:Tensor, # (b, h, T, d_nope + d_R): q^C and the turned q^R
+    latent:Tensor,  # (b, 1, S, d_c + d_R): the cached rows [c_t, k^R_t]
+    W_UKV:Tensor,   # (h * (d_nope + v_dim), d_c): each head's W_UK rows, then W_UV's
+    allowed:Tensor|None, # bool (T, S) or (b | 1, 1, T, S), True = attend
+    scale:float, dropout_p:float=0.0, # on the scores; on the attention weights
+) -> Tensor: # (b, h, T, v_dim)
+    "MLA with W_UK folded into the queries and W_UV after the sum: no key rebuilt."
+    b, h, T, _ = queries.shape
+    S, d_c = latent.shape[2], W_UKV.shape[1]
+    d_nope = queries.shape[-1] - (latent.shape[-1] - d_c)
+    W_UK_UV = W_UKV.view(h, -1, d_c)                 # (h, d_nope + v_dim, d_c)
+    W_UK, W_UV = W_UK_UV[:, :d_nope], W_UK_UV[:, d_nope:]
+    q_nope, q_rope = queries[..., :d_nope], queries[..., d_nope:]
+    q_latent = torch.cat([q_nope @ W_UK, q_rope], dim=-1)  # (b, h, T, d_c + d_R)
+    if allowed is not None:  # one mask for every head: heads x tokens as rows
+        allowed = allowed.reshape(-1, 1, 1, T, S).expand(-1, -1, h, -1, -1)
+        allowed = allowed.reshape(-1, 1, h * T, S)
+    context = F.scaled_dot_product_attention(  # one key head: (b, 1, h * T, d_c)
+        q_latent.reshape(b, 1, h * T, -1), latent, latent[..., :d_c], allowed,
+        scale=scale, dropout_p=dropout_p)
+    return context.view(b, h, T, d_c) @ W_UV.transpose(1, 2)  # (b, h, T, v_dim)
 
 # %% ../nbs/13_pretrained.ipynb #df5c7dad
 class DeepSeekBlock(LlamaBlock):

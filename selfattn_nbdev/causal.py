@@ -15,6 +15,8 @@ from .core import (check_count, check_flag, check_range, check_size,
                                  check_tokens)
 
 # %% ../nbs/03_causal.ipynb #abca7e3a
+#| code-fold: true
+#| code-summary: "Package details: check_dropout, check_context"
 def check_dropout(p) -> None:
     "Raise a clear error unless `p` is a number in [0, 1) (a dropout probability)."
     if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
@@ -38,22 +40,21 @@ def causal_mask(
     num_keys:int|None=None,  # keys; the queries are the last num_tokens (default: all)
 ) -> Tensor:  # bool (num_tokens, num_keys): True where the key is in the query's future
     "The causal mask: `True` where key j lies in the future of query i."
-    check_count(num_tokens, 'num_tokens')
     num_keys = num_tokens if num_keys is None else num_keys
-    check_count(num_keys, 'num_keys')
-    if num_keys < num_tokens:  # the queries are the last num_tokens of the keys
-        raise ValueError(f"num_keys must be >= num_tokens, the queries being the last "
-                         f"keys; got num_keys={num_keys}, num_tokens={num_tokens}")
+    _check_mask_sizes(num_tokens, num_keys)                          # folded below
     # query i stands at position num_keys - num_tokens + i: the keys after it are hidden
     every_pair = torch.ones(num_tokens, num_keys, dtype=torch.bool, device=device)
     return every_pair.triu(num_keys - num_tokens + 1)   # (num_tokens, num_keys)
 
-# %% ../nbs/03_causal.ipynb #34f862d8
-def _load_without_saved_mask(self, state_dict, prefix, *args):
-    "Load a state dict as `nn.Module` does, but skip a saved `mask` (it is rebuilt)."
-    # load_state_dict hands us its own copy of the caller's dict: popping is safe
-    state_dict.pop(prefix + 'mask', None)
-    nn.Module._load_from_state_dict(self, state_dict, prefix, *args)
+# %% ../nbs/03_causal.ipynb #20da1e9e
+#| code-fold: true
+#| code-summary: "Package details: the checks of causal_mask"
+def _check_mask_sizes(num_tokens, num_keys) -> None:
+    "Whole numbers, and at least as many keys as queries (the queries are the last)."
+    check_count(num_tokens, 'num_tokens'); check_count(num_keys, 'num_keys')
+    if num_keys < num_tokens:  # the queries are the last num_tokens of the keys
+        raise ValueError(f"num_keys must be >= num_tokens, the queries being the last "
+                         f"keys; got num_keys={num_keys}, num_tokens={num_tokens}")
 
 # %% ../nbs/03_causal.ipynb #a07a5da0
 class CausalAttention(nn.Module):
@@ -103,12 +104,23 @@ class CausalAttention(nn.Module):
         context_vecs = attn_weights @ values            # (..., num_tokens, d_out)
         return (context_vecs, attn_weights) if return_attn_weights else context_vecs
 
-    _load_from_state_dict = _load_without_saved_mask
-
     def extra_repr(self) -> str:
         "The sizes shown when the module is printed."
         return (f"d_in={self.d_in}, d_out={self.d_out}, "
                 f"context_length={self.context_length}")
+
+# %% ../nbs/03_causal.ipynb #ae6c2102
+#| code-fold: true
+#| code-summary: "Package details: loading checkpoints that saved a mask"
+def _load_without_saved_mask(self, state_dict, prefix, *args):
+    "Load a state dict as `nn.Module` does, but skip a saved `mask` (it is rebuilt)."
+    # load_state_dict hands us its own copy of the caller's dict: popping is safe
+    state_dict.pop(prefix + 'mask', None)
+    nn.Module._load_from_state_dict(self, state_dict, prefix, *args)
+
+# Checkpoints of modules that stored their mask, such as the CausalAttention of
+# Raschka's *Build a Large Language Model (From Scratch)*, ch. 3, load: it is skipped
+CausalAttention._load_from_state_dict = _load_without_saved_mask
 
 # %% ../nbs/03_causal.ipynb #f2b6736c
 def leaks_future(
@@ -118,14 +130,7 @@ def leaks_future(
     atol:float=1e-6, # how far a past output or gradient may move before it is a leak
 ) -> bool: # True when the future influenced the past
     "Whether changing the tokens after `t` changes the outputs or gradients at <= `t`."
-    check_tokens(x, None)                      # a float tensor (T, d) or (b, T, d)
-    if isinstance(t, bool) or not isinstance(t, int):
-        raise TypeError(f"t must be a token index, an int; got {t!r}")
-    check_range(atol, 'atol', low=0)
-    num_tokens = x.shape[-2]
-    if not 0 <= t < num_tokens - 1:  # t = T - 1 has no future: nothing could leak
-        raise ValueError(f"t must leave a future to perturb: 0 <= t < num_tokens - 1 = "
-                         f"{num_tokens - 1}; got t={t}")
+    _check_cut(x, t, atol)                                          # folded below
     def past(inputs):  # a module may return (outputs, weights): keep the outputs
         out = module(inputs)
         return (out[0] if isinstance(out, tuple) else out)[..., :t + 1, :]
@@ -150,3 +155,17 @@ def _leaks(past, x, t, atol):
     # what the past outputs send back to the future tokens: must be 0
     future_grad = grad[..., t + 1:, :].abs().sum()
     return not (same and bool(future_grad <= atol))
+
+# %% ../nbs/03_causal.ipynb #250673ed
+#| code-fold: true
+#| code-summary: "Package details: the checks of leaks_future"
+def _check_cut(x, t, atol) -> None:
+    "A float input (T, d) or (b, T, d), and a cut t that leaves a past and a future."
+    check_tokens(x, None)
+    if isinstance(t, bool) or not isinstance(t, int):
+        raise TypeError(f"t must be a token index, an int; got {t!r}")
+    check_range(atol, 'atol', low=0)
+    num_tokens = x.shape[-2]
+    if not 0 <= t < num_tokens - 1:  # t = T - 1 has no future: nothing could leak
+        raise ValueError(f"t must leave a future to perturb: 0 <= t < num_tokens - 1 = "
+                         f"{num_tokens - 1}; got t={t}")

@@ -80,13 +80,11 @@ class TransformerBlock(nn.Module):
                                  nn.Linear(4 * d_model, d_model))
 
     def forward(self,
-                x:Tensor,   # token vectors, (b, num_tokens, d_model)
-                cache=None, # this block's cache, when generating
+                x:Tensor, # token vectors, (b, num_tokens, d_model)
                ) -> Tensor: # (b, num_tokens, d_model)
         "Attend to the earlier tokens, then transform each token; add both to `x`."
-        check_tokens(x, self.attn.d_in, self.attn.W_query.weight.dtype)
-        x = x + self.attn(self.norm1(x), cache=cache)    # (b, num_tokens, d_model)
-        return x + self.mlp(self.norm2(x))             # (b, num_tokens, d_model)
+        x = x + self.attn(self.norm1(x))                # (b, num_tokens, d_model)
+        return x + self.mlp(self.norm2(x))              # (b, num_tokens, d_model)
 
 # %% ../nbs/06_generation.ipynb #b2a5caa3
 class TinyGPT(nn.Module):
@@ -111,45 +109,17 @@ class TinyGPT(nn.Module):
         self.norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size)
 
-    def _check_call(self,
-                    token_ids:Tensor, # (b, num_tokens), the new tokens with caches
-                    caches:list|None, # one per block, or None
-                   ) -> None:
-        "Ids in the vocabulary; one cache per block; no more than context_length."
-        check_token_ids(token_ids, self.vocab_size, dims=(2,),
-                        device=self.token_emb.weight.device)
-        if torch.compiler.is_compiling(): return  # compiled: generate checked it all
-        if caches is not None and (not isinstance(caches, (list, tuple))
-                                   or len(caches) != len(self.blocks)):
-            raise ValueError(f"caches must be a list of {len(self.blocks)} caches, "
-                             f"one per block (model.new_caches()); "
-                             f"got {caches!r:.60}")
-        for cache in caches or []: _check_cache(cache)  # below, with the caches
-        seen = 0 if caches is None else caches[0].num_seen
-        num_new = token_ids.shape[1]
-        if seen + num_new > self.context_length:
-            raise ValueError(f"{seen} tokens so far and {num_new} new make "
-                             f"{seen + num_new}, more than context_length="
-                             f"{self.context_length}")
-
     def forward(self,
-                token_ids:Tensor, # (b, num_tokens): all tokens, or only the new ones
-                caches:list|None=None, # from `new_caches`: token_ids are the new tokens
+                token_ids:Tensor, # (b, num_tokens)
                ) -> Tensor: # next-token logits, (b, num_tokens, vocab_size)
         "Scores for the token that follows each position."
-        self._check_call(token_ids, caches)
-        num_new, device = token_ids.shape[1], token_ids.device
-        positions = (torch.arange(num_new, device=device)[None] if caches is None
-                     else caches[0].positions(num_new, device))          # (b | 1, T)
-        x = self.token_emb(token_ids)                            # (b, T, d_model)
-        if self.pos_emb is not None: x = x + self.pos_emb(positions)
-        for i, block in enumerate(self.blocks):
-            x = block(x, None if caches is None else caches[i])
+        check_token_ids(token_ids, self.vocab_size, dims=(2,))
+        check_context(token_ids.shape[1], self.context_length)
+        positions = torch.arange(token_ids.shape[1], device=token_ids.device)  # (T,)
+        x = self.token_emb(token_ids) + self.pos_emb(positions)  # (b, T, d_model)
+        for block in self.blocks:
+            x = block(x)                                         # (b, T, d_model)
         return self.head(self.norm(x))                           # (b, T, vocab_size)
-
-    def new_caches(self) -> list:
-        "One empty `KVCache` per block (below): the caches of one generation."
-        return [KVCache() for _ in self.blocks]
 
 # %% ../nbs/06_generation.ipynb #8691dde0
 def train_tiny_gpt(
@@ -162,26 +132,33 @@ def train_tiny_gpt(
     seed:int=0,          # where the windows start
 ) -> list: # the loss at every step
     "Train `model` to predict each next token of `data`; return the losses."
-    check_count(steps, 'steps'); check_size(block_size, 'block_size')
-    check_size(batch_size, 'batch_size'); check_range(lr, 'lr', low=0, low_open=True)
-    check_token_ids(data, model.vocab_size, 'data', dims=(1,))
-    if len(data) <= block_size:
-        raise ValueError(f"data has {len(data)} tokens; it needs more than "
-                         f"block_size={block_size}")
+    _check_training(model, data, steps, block_size, batch_size, lr)  # folded below
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
     losses = []
     for _ in range(steps):
         starts = torch.randint(0, len(data) - block_size, (batch_size,),
-                               generator=generator)
-        inputs = torch.stack([data[s:s + block_size] for s in starts])        # (b, T)
+                               generator=generator)                      # (b,)
+        inputs = torch.stack([data[s:s + block_size] for s in starts])   # (b, T)
         targets = torch.stack([data[s + 1:s + block_size + 1] for s in starts])
         logits = model(inputs)                                    # (b, T, vocab_size)
         loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
         optimizer.zero_grad(); loss.backward(); optimizer.step()
         losses.append(loss.item())
     return losses
+
+# %% ../nbs/06_generation.ipynb #227c6983
+#| code-fold: true
+#| code-summary: "Package details: the checks of train_tiny_gpt"
+def _check_training(model, data, steps, block_size, batch_size, lr) -> None:
+    "Counts and sizes as integers, a positive rate, ids of the model's vocabulary."
+    check_count(steps, 'steps'); check_size(block_size, 'block_size')
+    check_size(batch_size, 'batch_size'); check_range(lr, 'lr', low=0, low_open=True)
+    check_token_ids(data, model.vocab_size, 'data', dims=(1,))
+    if len(data) <= block_size:
+        raise ValueError(f"data has {len(data)} tokens; it needs more than "
+                         f"block_size={block_size}")
 
 # %% ../nbs/06_generation.ipynb #62f47357
 def _check_sampling(temperature, top_k, top_p, logits=None, generator=None) -> None:
@@ -233,6 +210,12 @@ def sample_next(
                          f"({e})") from e
 
 # %% ../nbs/06_generation.ipynb #30adf919
+#| code-fold: true
+#| code-summary: "Package details: how a cache knows its module, and what counts as a cache"
+# A cache holds the keys of one module only. It knows its module by a token that no
+# other module can have, even after the first is gone (a weak reference would be empty
+# then, and a new module may get the old one's address): the module's address and a
+# number counted once per process. A copy (`copy.deepcopy`) gets a token of its own.
 _tokens = itertools.count(1)  # one number per module that has written to a cache
 
 def _owner_token(
@@ -300,6 +283,8 @@ class KVCache:
     def __repr__(self): return f"KVCache({len(self)} tokens)"
 
 # %% ../nbs/06_generation.ipynb #40ef7a15
+#| code-fold: true
+#| code-summary: "Package details: the checks of a cache"
 @patch
 def claim(self:KVCache,
           module:nn.Module, # the attention module about to write to the cache
@@ -392,7 +377,123 @@ def forward(self:MultiHeadAttention,
         keys, values, allowed = cache.update(keys, values, self)
     return self._finish(queries, keys, values, allowed, return_attn_weights, unbatched)
 
+# %% ../nbs/06_generation.ipynb #bd1e21c8
+@patch
+def forward(self:TransformerBlock,
+            x:Tensor,   # token vectors, (b, num_tokens, d_model)
+            cache=None, # this block's cache, when generating
+           ) -> Tensor: # (b, num_tokens, d_model)
+    "Attend to the earlier tokens (and the cached ones), then transform each token."
+    check_tokens(x, self.attn.d_in, self.attn.W_query.weight.dtype)
+    x = x + self.attn(self.norm1(x), cache=cache)    # (b, num_tokens, d_model)
+    return x + self.mlp(self.norm2(x))             # (b, num_tokens, d_model)
+
+@patch
+def forward(self:TinyGPT,
+            token_ids:Tensor, # (b, num_tokens): all tokens, or only the new ones
+            caches:list|None=None, # from `new_caches`: token_ids are the new tokens
+           ) -> Tensor: # next-token logits, (b, num_tokens, vocab_size)
+    "Scores for the token that follows each position; with caches, of the new ones."
+    self._check_call(token_ids, caches)                        # folded below
+    num_new, device = token_ids.shape[1], token_ids.device
+    positions = (torch.arange(num_new, device=device)[None] if caches is None
+                 else caches[0].positions(num_new, device))          # (b | 1, T)
+    x = self.token_emb(token_ids)                            # (b, T, d_model)
+    if self.pos_emb is not None: x = x + self.pos_emb(positions)  # a later page: None
+    for i, block in enumerate(self.blocks):
+        x = block(x, None if caches is None else caches[i])
+    return self.head(self.norm(x))                           # (b, T, vocab_size)
+
+@patch
+def new_caches(self:TinyGPT) -> list:
+    "One empty `KVCache` per block: the caches of one generation."
+    return [KVCache() for _ in self.blocks]
+
+# %% ../nbs/06_generation.ipynb #c8fb2efb
+#| code-fold: true
+#| code-summary: "Package details: the checks of TinyGPT's forward"
+@patch
+def _check_call(self:TinyGPT,
+                token_ids:Tensor, # (b, num_tokens), the new tokens with caches
+                caches:list|None, # one per block, or None
+               ) -> None:
+    "Ids in the vocabulary; one cache per block; no more than context_length."
+    check_token_ids(token_ids, self.vocab_size, dims=(2,),
+                    device=self.token_emb.weight.device)
+    if torch.compiler.is_compiling(): return  # compiled: generate checked it all
+    if caches is not None and (not isinstance(caches, (list, tuple))
+                               or len(caches) != len(self.blocks)):
+        raise ValueError(f"caches must be a list of {len(self.blocks)} caches, "
+                         f"one per block (model.new_caches()); "
+                         f"got {caches!r:.60}")
+    for cache in caches or []: _check_cache(cache)
+    seen = 0 if caches is None else caches[0].num_seen
+    num_new = token_ids.shape[1]
+    if seen + num_new > self.context_length:
+        raise ValueError(f"{seen} tokens so far and {num_new} new make "
+                         f"{seen + num_new}, more than context_length="
+                         f"{self.context_length}")
+
 # %% ../nbs/06_generation.ipynb #e7e1d94f
+def _decode(
+    model:nn.Module, # called on the prompt, and without a cache on every prefix
+    token_ids:Tensor, # the prompts, (b, T)
+    max_new_tokens:int, # at least 1
+    caches:list|None, # one per block, or None: recompute every prefix
+    step, # the decode step: model(next_ids (b, 1), caches) -> logits
+    sample, # logits (b, vocab) -> the next token of every row (b,)
+    stops:Tensor|None, pad_id:int|None, # a row that wrote a stop id writes pad_id
+    fresh=lambda num_tokens: None, # caches for a whole prefix, without a cache
+): # yields the new tokens, (b,)
+    "The loop: the prompt all at once (prefill), then one token per row and step."
+    done = torch.zeros(token_ids.shape[0], dtype=torch.bool, device=token_ids.device)
+    first = caches if caches is not None else fresh(token_ids.shape[1])
+    logits = model(token_ids, first)[:, -1]                             # (b, vocab)
+    for i in range(max_new_tokens):
+        next_ids = sample(logits)                                         # (b,)
+        if stops is not None:  # finished rows write pad_id from now on
+            next_ids = torch.where(done, pad_id, next_ids)
+            done = done | torch.isin(next_ids, stops)
+        yield next_ids
+        if i + 1 == max_new_tokens or (stops is not None and bool(done.all())): return
+        if caches is not None: logits = step(next_ids[:, None], caches)[:, -1]
+        else:  # the whole text again
+            token_ids = torch.cat([token_ids, next_ids[:, None]], dim=1)  # (b, T + 1)
+            logits = model(token_ids, fresh(token_ids.shape[1]))[:, -1]
+
+# %% ../nbs/06_generation.ipynb #53be6e83
+#| code-fold: true
+#| code-summary: "Package details: generate_stream and generate, and their checks"
+@torch.no_grad()
+def generate_stream(
+    model:nn.Module,  # follows the protocol above
+    prompt_ids:Tensor, # the prompts, token ids (b, T)
+    max_new_tokens:int, # the most tokens to add to each row
+    use_cache:bool=True, # keep keys and values (fast), or recompute every prefix
+    temperature:float=0.0, # 0: greedy; else sample from softmax(logits / t)
+    top_k:int|None=None,   # sample among the k most likely tokens
+    top_p:float|None=None, # sample among the likeliest tokens of mass top_p
+    stop_ids=None, # an id or a list of ids: a row that writes one is finished
+    pad_id:int|None=None, # what a finished row yields (default: its stop id)
+    generator:torch.Generator|None=None, # seeded sampling, on the model's device
+): # yields the new token of every row, (b,), as soon as it is chosen
+    "Generate token by token, yielding each step's tokens as they are made."
+    check_token_ids(prompt_ids, model.vocab_size, 'prompt_ids', dims=(2,),
+                    device=next(model.parameters()).device)
+    if prompt_ids.shape[1] == 0:
+        raise ValueError(f"prompt_ids must hold at least one token per row; "
+                         f"got shape {tuple(prompt_ids.shape)}")
+    stops, pad_id = _check_generation(model, prompt_ids, max_new_tokens, use_cache,
+                                      temperature, top_k, top_p, stop_ids, pad_id)
+    if max_new_tokens == 0: return
+    sample = lambda logits: sample_next(logits, temperature, top_k, top_p, generator)
+    caches = model.new_caches() if use_cache else None
+    was_training = model.training
+    model.eval()  # no dropout while writing; the caller's mode comes back after
+    try: yield from _decode(model, prompt_ids, max_new_tokens, caches, model, sample,
+                            stops, pad_id)
+    finally: model.train(was_training)
+
 def _stop_ids(
     stop_ids, # an id, or a list of ids
     vocab_size:int, # ids must be in [0, vocab_size)
@@ -434,62 +535,6 @@ def _check_generation(
         check_count(pad_id, 'pad_id')
         check_token_ids(torch.tensor([pad_id]), model.vocab_size, 'pad_id')
     return stops, pad_id
-
-def _decode(
-    model:nn.Module, # called on the prompt, and without a cache on every prefix
-    token_ids:Tensor, # the prompts, (b, T)
-    max_new_tokens:int, # at least 1
-    caches:list|None, # one per block, or None: recompute every prefix
-    step, # the decode step: model(next_ids (b, 1), caches) -> logits
-    sample, # logits (b, vocab) -> the next token of every row (b,)
-    stops:Tensor|None, pad_id:int|None, # a row that wrote a stop id writes pad_id
-    fresh=lambda num_tokens: None, # caches for a whole prefix, without a cache
-): # yields the new tokens, (b,)
-    "The loop: the prompt all at once (prefill), then one token per row and step."
-    done = torch.zeros(token_ids.shape[0], dtype=torch.bool, device=token_ids.device)
-    first = caches if caches is not None else fresh(token_ids.shape[1])
-    logits = model(token_ids, first)[:, -1]                             # (b, vocab)
-    for i in range(max_new_tokens):
-        next_ids = sample(logits)                                         # (b,)
-        if stops is not None:  # finished rows write pad_id from now on
-            next_ids = torch.where(done, pad_id, next_ids)
-            done = done | torch.isin(next_ids, stops)
-        yield next_ids
-        if i + 1 == max_new_tokens or (stops is not None and bool(done.all())): return
-        if caches is not None: logits = step(next_ids[:, None], caches)[:, -1]
-        else:  # the whole text again
-            token_ids = torch.cat([token_ids, next_ids[:, None]], dim=1)  # (b, T + 1)
-            logits = model(token_ids, fresh(token_ids.shape[1]))[:, -1]
-
-@torch.no_grad()
-def generate_stream(
-    model:nn.Module,  # follows the protocol above
-    prompt_ids:Tensor, # the prompts, token ids (b, T)
-    max_new_tokens:int, # the most tokens to add to each row
-    use_cache:bool=True, # keep keys and values (fast), or recompute every prefix
-    temperature:float=0.0, # 0: greedy; else sample from softmax(logits / t)
-    top_k:int|None=None,   # sample among the k most likely tokens
-    top_p:float|None=None, # sample among the likeliest tokens of mass top_p
-    stop_ids=None, # an id or a list of ids: a row that writes one is finished
-    pad_id:int|None=None, # what a finished row yields (default: its stop id)
-    generator:torch.Generator|None=None, # seeded sampling, on the model's device
-): # yields the new token of every row, (b,), as soon as it is chosen
-    "Generate token by token, yielding each step's tokens as they are made."
-    check_token_ids(prompt_ids, model.vocab_size, 'prompt_ids', dims=(2,),
-                    device=next(model.parameters()).device)
-    if prompt_ids.shape[1] == 0:
-        raise ValueError(f"prompt_ids must hold at least one token per row; "
-                         f"got shape {tuple(prompt_ids.shape)}")
-    stops, pad_id = _check_generation(model, prompt_ids, max_new_tokens, use_cache,
-                                      temperature, top_k, top_p, stop_ids, pad_id)
-    if max_new_tokens == 0: return
-    sample = lambda logits: sample_next(logits, temperature, top_k, top_p, generator)
-    caches = model.new_caches() if use_cache else None
-    was_training = model.training
-    model.eval()  # no dropout while writing; the caller's mode comes back after
-    try: yield from _decode(model, prompt_ids, max_new_tokens, caches, model, sample,
-                            stops, pad_id)
-    finally: model.train(was_training)
 
 def generate(
     model:nn.Module,  # any model with the protocol above

@@ -13,10 +13,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .core import check_flag, check_size, check_tokens, patch
-from .causal import (CausalAttention, _load_without_saved_mask,
-                                   causal_mask, check_context, check_dropout)
+from .causal import (CausalAttention, causal_mask, check_context,
+                                   check_dropout)
 
 # %% ../nbs/04_multihead.ipynb #1176acd3
+#| code-fold: true
+#| code-summary: "Package details: check_heads"
 def check_heads(
     d_out:int, # size of the output, to be split into heads
     num_heads:int, # number of heads
@@ -81,17 +83,6 @@ class MultiHeadAttention(nn.Module):
         self.out_proj = nn.Linear(d_out, d_out, bias=out_bias)
         self.dropout = nn.Dropout(dropout)
 
-    _load_from_state_dict = _load_without_saved_mask  # old checkpoints saved a `mask`
-
-    # what __init__ checked and forward reads: fixed, or masks and tables go stale
-    _settings = ('d_in', 'd_out', 'context_length', 'num_heads', 'head_dim', 'causal')
-    def __setattr__(self, name, value):
-        if name in self._settings and name in self.__dict__:
-            raise AttributeError(f"{name} is fixed when the module is built (the masks "
-                                 f"and shapes follow from it); build a new one with "
-                                 f"{name}={value!r}")
-        super().__setattr__(name, value)
-
     def _split_heads(self,
                      t:Tensor, # a projection, (b, num_tokens, heads * head_dim)
                     ) -> Tensor: # (b, heads, num_tokens, head_dim)
@@ -116,7 +107,7 @@ class MultiHeadAttention(nn.Module):
         return [self._split_heads(W(x)) for W in projections]  # each (b, h, T, hd)
 
     def _project(self, x:Tensor) -> list: # what forward attends with
-        "`_qkv` as it is; a later page turns the queries and keys here."
+        "The queries, keys and values `forward` attends with: here `_qkv`'s."
         return self._qkv(x)
 
     def extra_repr(self) -> str:
@@ -125,7 +116,28 @@ class MultiHeadAttention(nn.Module):
                 f"context_length={self.context_length}, "
                 f"num_heads={self.num_heads}, causal={self.causal}")
 
+# %% ../nbs/04_multihead.ipynb #ce557135
+#| code-fold: true
+#| code-summary: "Package details: fixed settings, and checkpoints that saved a mask"
+# checkpoints that saved a mask load: it is skipped, as CausalAttention skips it
+MultiHeadAttention._load_from_state_dict = CausalAttention._load_from_state_dict
+
+# what __init__ checked and forward reads: fixed, or masks and tables go stale
+MultiHeadAttention._settings = ('d_in', 'd_out', 'context_length', 'num_heads',
+                                'head_dim', 'causal')
+
+@patch
+def __setattr__(self:MultiHeadAttention, name, value):
+    "Refuse to change a setting of a built module: its masks and shapes follow from it."
+    if name in self._settings and name in self.__dict__:
+        raise AttributeError(f"{name} is fixed when the module is built (the masks "
+                             f"and shapes follow from it); build a new one with "
+                             f"{name}={value!r}")
+    nn.Module.__setattr__(self, name, value)
+
 # %% ../nbs/04_multihead.ipynb #ea90e5ab
+#| code-fold: true
+#| code-summary: "Package details: the check of a padding mask"
 def _check_padding_mask(
     key_padding_mask, # None, or what the caller passed as key_padding_mask
     x:Tensor, # the input, (num_tokens, d_in) or (batch, num_tokens, d_in)
@@ -198,6 +210,8 @@ def _attend_fused(self:MultiHeadAttention,
     return context.masked_fill(dead, 0.0)
 
 # %% ../nbs/04_multihead.ipynb #87627fed
+#| code-fold: true
+#| code-summary: "Package details: _inputs, the checks at the door"
 @patch
 def _inputs(self:MultiHeadAttention,
             x:Tensor, # tokens, (num_tokens, d_in) or (b, num_tokens, d_in)
@@ -217,6 +231,7 @@ def _inputs(self:MultiHeadAttention,
         x = torch.where(key_padding_mask[..., None], x.nan_to_num(0.0, 0.0, 0.0), x)
     return x, key_padding_mask, unbatched
 
+# %% ../nbs/04_multihead.ipynb #214c0ee7
 @patch
 def _finish(self:MultiHeadAttention,
             queries:Tensor, keys:Tensor, values:Tensor, # (b, heads, T | keys, hd)

@@ -17,19 +17,26 @@ def softmax_stable(
     dim:int=-1, # the dimension along which the weights sum to 1
 ) -> Tensor: # same shape as `x`; sums to 1 along `dim`, or is all 0 where all `-inf`
     "`exp(x - max) / sum(exp(x - max))`: no overflow, no `nan`; all `-inf` gives 0s."
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-        raise TypeError(f"x must be a floating-point tensor of scores; got "
-                        f"{getattr(x, 'dtype', type(x).__name__)}")
+    _check_scores(x)                    # folded below: float, no +inf
     if x.shape[dim] == 0: return x.clone()  # no score along dim: no weight to give
-    if torch.isposinf(x).any():  # inf - inf = nan: a hidden score is -inf, never +inf
-        where = torch.isposinf(x).nonzero()[0].tolist()
-        raise ValueError(f"x must not contain +inf (a hidden position is -inf); "
-                         f"got +inf at index {where}")
     x_max = x.amax(dim=dim, keepdim=True)  # the largest score; size 1 along dim
     x_max = x_max.masked_fill(torch.isneginf(x_max), 0)  # no -inf - (-inf) = nan
     exps = torch.exp(x - x_max)            # each in [0, 1]; the max gives e^0 = 1
     sums = exps.sum(dim=dim, keepdim=True) # >= 1, or 0 for an all -inf row
     return exps / sums.clamp(min=1)        # an all -inf row: 0 / 1 = 0
+
+# %% ../nbs/01_simple.ipynb #bb02182d
+#| code-fold: true
+#| code-summary: "Package details: the checks of softmax_stable"
+def _check_scores(x) -> None:
+    "Scores must be a floating tensor without +inf (a hidden position is -inf)."
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"x must be a floating-point tensor of scores; got "
+                        f"{getattr(x, 'dtype', type(x).__name__)}")
+    if torch.isposinf(x).any():  # inf - inf = nan: a hidden score is -inf, never +inf
+        where = torch.isposinf(x).nonzero()[0].tolist()
+        raise ValueError(f"x must not contain +inf (a hidden position is -inf); "
+                         f"got +inf at index {where}")
 
 # %% ../nbs/01_simple.ipynb #3b80114b
 def simple_attention(

@@ -2,6 +2,7 @@
 """Walk the built site in a real browser (headless Chromium driven by Playwright) and check what a reader gets.
 
     python tools/walk_site.py [--site _docs] [--build] [--chromium /usr/bin/chromium] [--max-height 20000]
+                              [--pages index.html,simple.html]   # walk only these (a quicker check of a few pages)
 
 Every page in the sidebar is opened four times: at 1280 px and at a 390 px phone width, each in the light and
 in the dark colour scheme (the browser says `prefers-color-scheme: dark`, as a reader's system does). Each time:
@@ -23,6 +24,8 @@ In the light scheme, also:
 - on the phone width, the body does not scroll sideways and nothing outside a scroll box is wider than it;
   no code block scrolls sideways (code wraps there, so each line's shape comment is on the screen);
   every API parameter table fits the screen, its description cells readable (see API_TABLES);
+  every figure's smallest text is at least 8 CSS px tall (see `check_figure_text`; the table at the end names the
+  smallest of each page);
 - every attention explorer shows the package's weights (see `check_explorers`).
 On the phone width in both schemes, a display equation wider than the screen shows a scroll cue (`check_math_cues`).
 Then: every API entry of the module index (selfattn_nbdev/_modidx.py) resolves to an element on its page,
@@ -39,6 +42,10 @@ ROOT = Path(__file__).resolve().parents[1]
 PASSES = [('desktop', 1280, 'light'), ('phone', 390, 'light'), ('desktop-dark', 1280, 'dark'), ('phone-dark', 390, 'dark')]
 MIN_CONTRAST = 4.5      # WCAG 2 AA for body text; the walk asks it of every text, large or small
 MAX_HEIGHT = 20_000     # px at 1280: the project's limit on a page's length (--max-height)
+MIN_FIGURE_TEXT = 8.0   # CSS px on the phone width: the smallest text a figure may show
+FIGURE_TEXT_KEY = 'Smallest text pt'  # the PNG text chunk where a story figure records its smallest font size
+STORY = {'index.html', 'simple.html', 'trainable.html', 'causal.html', 'multihead.html', 'training.html',
+         'generation.html', 'batches.html'}  # their figures must record it
 SEARCHES = {'softmax': {'simple.html', 'trainable.html'}, 'causal': {'causal.html'}}  # query -> pages a result must include
 CHROMIUM_ARGS = ['--no-sandbox', '--disable-gpu', '--no-first-run', '--disable-background-networking',
                  '--disable-component-update', '--disable-sync', '--disable-dev-shm-usage']
@@ -344,7 +351,64 @@ def check_math_cues(page, where: str, rep: Report) -> None:
                       f'{end[0]:.0f}/{end[1]:.0f} at the end; want >= 16 where hidden, < 4 elsewhere)')
 
 
-def walk(site: Path, chromium: str, max_height: int = MAX_HEIGHT) -> int:
+FIGURES = r"""() => [...document.querySelectorAll('main img, #quarto-document-content img')]
+  .filter(i => i.closest('.cell-output-display, figure, .quarto-figure') && i.getBoundingClientRect().width > 0)
+  .map(i => ({src: i.currentSrc || i.src, natural: i.naturalWidth, shown: i.getBoundingClientRect().width,
+              alt: (i.alt || '').slice(0, 50)}))"""
+
+
+def png_info(data: bytes) -> tuple[dict[str, str], float | None]:
+    "A PNG's text chunks (keyword -> text) and its pixels per inch (its pHYs chunk; None without one)."
+    import struct, zlib
+    texts, ppi, i = {}, None, 8
+    if data[:8] != b'\x89PNG\r\n\x1a\n': return texts, ppi
+    while i + 8 <= len(data):
+        n, kind = struct.unpack('>I4s', data[i:i + 8]); body = data[i + 8:i + 8 + n]; i += 12 + n
+        if kind == b'tEXt' and b'\0' in body:
+            key, _, text = body.partition(b'\0'); texts[key.decode('latin-1')] = text.decode('latin-1')
+        elif kind == b'zTXt' and b'\0' in body:
+            key, _, rest = body.partition(b'\0'); texts[key.decode('latin-1')] = zlib.decompress(rest[1:]).decode('latin-1')
+        elif kind == b'pHYs' and n == 9:
+            x, _, unit = struct.unpack('>IIB', body)
+            if unit == 1: ppi = x * 0.0254  # pixels per metre
+        elif kind == b'IEND': break
+    return texts, ppi
+
+
+def check_figure_text(page, name: str, where: str, site: Path, base: str, rep: Report, smallest: dict) -> None:
+    """On the phone width, every figure's text must be at least MIN_FIGURE_TEXT CSS px tall.
+
+    A story figure records the size of its smallest text, in points, in a PNG text chunk (FIGURE_TEXT_KEY, written
+    by the figure formatter of each story notebook); the PNG's pHYs chunk gives its pixels per inch. That text is
+    `points / 72 * ppi` pixels of the image, and the browser shows the image at `shown` of its `natural` width, so
+    it is that times `shown / natural` CSS px tall (the walk's device scale factor is 1). A figure of a story page
+    without the record fails; on other pages it is counted as not measured."""
+    import base64
+    from urllib.parse import unquote, urlparse
+    for k, img in enumerate(page.evaluate(FIGURES)):
+        src = img['src']
+        if src.startswith('data:image/png;base64,'): data = base64.b64decode(src.split(',', 1)[1])
+        elif src.startswith(base): data = (site/unquote(urlparse(src).path).lstrip('/')).read_bytes()
+        else: continue
+        texts, ppi = png_info(data)
+        label = f'{where}: figure {k + 1} ({img["alt"]!r})'
+        if texts.get(FIGURE_TEXT_KEY) is None or not ppi:
+            rep.count('figures without a text record')
+            if name in STORY: rep.check(False, f'{label} records no smallest text ({FIGURE_TEXT_KEY!r} and pHYs in its PNG)')
+            continue
+        points = float(texts[FIGURE_TEXT_KEY])
+        px = points / 72 * ppi * img['shown'] / img['natural']
+        rep.count('figures measured')
+        if px < smallest.get('px', 1e9):
+            smallest.update(px=px, where=label, points=points, ppi=ppi, shown=img['shown'], natural=img['natural'])
+        row = smallest.setdefault('pages', {})
+        row[name] = min(row.get(name, 1e9), px)
+        rep.check(px >= MIN_FIGURE_TEXT, f'{label}: smallest text {px:.1f} CSS px ({points:g} pt at {ppi:.0f} px per '
+                                         f'inch, image {img["natural"]} px shown {img["shown"]:.0f} px wide); '
+                                         f'want >= {MIN_FIGURE_TEXT:g}')
+
+
+def walk(site: Path, chromium: str, max_height: int = MAX_HEIGHT, only: list[str] | None = None) -> int:
     from playwright.sync_api import sync_playwright
     rep, shots = Report(), ROOT/'_artifacts'/'screenshots'
     shots.mkdir(parents=True, exist_ok=True)
@@ -359,8 +423,8 @@ def walk(site: Path, chromium: str, max_height: int = MAX_HEIGHT) -> int:
 
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
-        facts, external, table, worst = {}, set(), {}, {'light': {}, 'dark': {}}
-        pages = ['index.html']
+        facts, external, table, worst, figure_text = {}, set(), {}, {'light': {}, 'dark': {}}, {}
+        pages = list(only) if only else ['index.html']
         for pass_name, width, scheme in PASSES:
             light, phone = scheme == 'light', width < 1280
             ctx = browser.new_context(viewport={'width': width, 'height': 900}, device_scale_factor=1, color_scheme=scheme)
@@ -405,7 +469,7 @@ def walk(site: Path, chromium: str, max_height: int = MAX_HEIGHT) -> int:
                         target = local(link)
                         if target:
                             pname = urldefrag(target)[0][len(base):] or 'index.html'
-                            if pname.endswith('.html') and pname not in pages: pages.append(pname)
+                            if pname.endswith('.html') and pname not in pages and not only: pages.append(pname)
                     rep.check(f['math'] > 0 or f['mathSource'] == 0, f'{name}: maths is typeset ({f["math"]} typeset elements)')
                     rep.check(not f['clipped'], f'{name}: no code block or output wider than its box at {width} px '
                                                 f'(found {len(f["clipped"])}: {f["clipped"][:2]})')
@@ -430,6 +494,7 @@ def walk(site: Path, chromium: str, max_height: int = MAX_HEIGHT) -> int:
                     rep.check(not f['cutOff'], f'{where}: nothing wider than {width} px outside a scroll box (found {f["cutOff"]})')
                     rep.check(not f['codeScrolls'], f'{where}: every code block wraps, its comments on the screen '
                                                     f'({len(f["codeScrolls"])} scroll: {f["codeScrolls"][:2]})')
+                    check_figure_text(page, name, where, site, base, rep, figure_text)
                     t = page.evaluate(API_TABLES)
                     rep.count('API tables', t['tables'])
                     rep.check(not t['problems'], f'{where}: every API parameter table fits the screen, its descriptions '
@@ -461,6 +526,7 @@ def walk(site: Path, chromium: str, max_height: int = MAX_HEIGHT) -> int:
 
         for sym, link in api_entries().items():
             pname, anchor = link.split('#')
+            if only and pname not in ids: continue  # a page not walked
             rep.count('api entries')
             rep.check(pname in ids and anchor in ids[pname], f'API entry {sym} -> {link} is on the site')
 
@@ -484,7 +550,7 @@ def walk(site: Path, chromium: str, max_height: int = MAX_HEIGHT) -> int:
         ctx = browser.new_context(viewport={'width': 1280, 'height': 900})
         page = ctx.new_page()
         page.goto(base + 'index.html', wait_until='networkidle')
-        for query, expected in SEARCHES.items():
+        for query, expected in ({} if only else SEARCHES).items():
             rep.count('searches')
             box = page.locator('input[type=search]:visible, .aa-Input:visible').first
             if not box.count():
@@ -511,11 +577,24 @@ def walk(site: Path, chromium: str, max_height: int = MAX_HEIGHT) -> int:
 
     # One line per page: the figures the checks above hold against their limits.
     print(f'\n{"page":<18}{"height at 1280":>15}{"widest code / box at 1280":>27}{"page width at 390":>19}'
-          f'{"lowest contrast light / dark":>30}')
+          f'{"lowest contrast light / dark":>30}{"figure text at 390":>20}')
+    fig_px = figure_text.get('pages', {})
     for name, r in table.items():
         (text, box), over = r.get('widest', (None, None)), ' > limit' if r.get('height', 0) > max_height else ''
+        fig = f"{fig_px[name]:.1f} px" if name in fig_px else '-'
         print(f"{name:<18}{r.get('height', 0):>12,} px{text!s:>13} / {box!s:>4} px{r.get('phone')!s:>16} px"
-              f"{r.get('light', '-')!s:>18} / {r.get('dark', '-')!s:<6}{over}")
+              f"{r.get('light', '-')!s:>18} / {r.get('dark', '-')!s:<6}{fig:>14}{over}")
+    if figure_text.get('where'):
+        print(f"smallest figure text at 390 px: {figure_text['px']:.1f} CSS px, {figure_text['where']} "
+              f"({figure_text['points']:g} pt at {figure_text['ppi']:.0f} px per inch, image {figure_text['natural']} px shown "
+              f"{figure_text['shown']:.0f} px wide)")
+    print(f"figures measured at 390 px: {rep.counts.get('figures measured', 0)}; without a text record (not "
+          f"measured, outside the story): {rep.counts.get('figures without a text record', 0)}")
+    story = [table[n].get('height', 0) for n in STORY if n in table]
+    if len(story) == len(STORY):
+        told = [table[n].get('height', 0) for n in STORY if n != 'batches.html']
+        print(f"the story at 1280 px: {sum(told):,} px (index and the six story pages); "
+              f"{sum(story):,} px with Generating in batches")
     for scheme, w in worst.items():
         if w: print(f"lowest contrast, {scheme}: {w['ratio']} on {w['page']}: {w['element']} {w['text']!r} ({w['color']} on {w['background']})")
     print(f"\npages walked: {rep.counts.get('pages', 0)} (x{len(PASSES)}: {', '.join(p[0] for p in PASSES)}); "
@@ -542,7 +621,8 @@ if __name__ == '__main__':
     ap.add_argument('--build', action='store_true', help='build the site first (tools/docs.py site)')
     ap.add_argument('--chromium', default=os.environ.get('CHROMIUM', '/usr/bin/chromium'))
     ap.add_argument('--max-height', type=int, default=MAX_HEIGHT, help='fail a page taller than this at 1280 px')
+    ap.add_argument('--pages', default='', help='comma-separated pages to walk (default: every page of the sidebar)')
     a = ap.parse_args()
     if a.build: subprocess.run([sys.executable, str(ROOT/'tools'/'docs.py'), 'site'], check=True)
     if not Path(a.chromium).exists(): sys.exit(f'no Chromium at {a.chromium}: apt-get install chromium, or pass --chromium PATH')
-    sys.exit(walk(Path(a.site), a.chromium, a.max_height))
+    sys.exit(walk(Path(a.site), a.chromium, a.max_height, [p for p in a.pages.split(',') if p] or None))

@@ -15,8 +15,6 @@ from .core import (check_count, check_flag, check_range, check_size,
                                  check_tokens)
 
 # %% ../nbs/03_causal.ipynb #abca7e3a
-#| code-fold: true
-#| code-summary: "Package details: check_dropout, check_context"
 def check_dropout(p) -> None:
     "Raise a clear error unless `p` is a number in [0, 1) (a dropout probability)."
     if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
@@ -47,8 +45,6 @@ def causal_mask(
     return every_pair.triu(num_keys - num_tokens + 1)   # (num_tokens, num_keys)
 
 # %% ../nbs/03_causal.ipynb #20da1e9e
-#| code-fold: true
-#| code-summary: "Package details: the checks of causal_mask"
 def _check_mask_sizes(num_tokens, num_keys) -> None:
     "Whole numbers, and at least as many keys as queries (the queries are the last)."
     check_count(num_tokens, 'num_tokens'); check_count(num_keys, 'num_keys')
@@ -110,8 +106,6 @@ class CausalAttention(nn.Module):
                 f"context_length={self.context_length}")
 
 # %% ../nbs/03_causal.ipynb #ae6c2102
-#| code-fold: true
-#| code-summary: "Package details: loading checkpoints that saved a mask"
 def _load_without_saved_mask(self, state_dict, prefix, *args):
     "Load a state dict as `nn.Module` does, but skip a saved `mask` (it is rebuilt)."
     # load_state_dict hands us its own copy of the caller's dict: popping is safe
@@ -157,8 +151,6 @@ def _leaks(past, x, t, atol):
     return not (same and bool(future_grad <= atol))
 
 # %% ../nbs/03_causal.ipynb #250673ed
-#| code-fold: true
-#| code-summary: "Package details: the checks of leaks_future"
 def _check_cut(x, t, atol) -> None:
     "A float input (T, d) or (b, T, d), and a cut t that leaves a past and a future."
     check_tokens(x, None)

@@ -339,8 +339,6 @@ def _prompts_of(
     return [row[keep] for row, keep in zip(prompt_ids, real)]
 
 # %% ../nbs/07_batches.ipynb #3cc3182d
-#| code-fold: true
-#| code-summary: "Package details: the compiled decode step, within Dynamo's limits"
 _GRAPH_ROOM = 32  # the graphs a decode step may add to those of its forward
 _RETRIES = 8  # new graphs for a bound already compiled: Dynamo's default limit
 

@@ -31,8 +31,6 @@ def free_port() -> int: # a TCP port on 127.0.0.1 that nothing listens on right 
         return s.getsockname()[1]
 
 # %% ../nbs/15_parallel.ipynb #44cfb5cd
-#| code-fold: true
-#| code-summary: "Code: _save_whole, _rank_main"
 def _save_whole(obj, path:str) -> None:
     "Save under a temporary name, then rename: a rank killed mid-write leaves no file."
     torch.save(obj, path + '.part')
@@ -80,8 +78,6 @@ def _failure_report(
             + f"rank {ranks[0]}'s traceback:\n{first}")
 
 # %% ../nbs/15_parallel.ipynb #dbdb5961
-#| code-fold: true
-#| code-summary: "Code: _importable"
 def _importable(fn):
     "`fn`, or for a function defined in a notebook the package's exported copy of it."
     if fn.__module__ != '__main__': return fn

@@ -149,8 +149,6 @@ def train_tiny_gpt(
     return losses
 
 # %% ../nbs/06_generation.ipynb #227c6983
-#| code-fold: true
-#| code-summary: "Package details: the checks of train_tiny_gpt"
 def _check_training(model, data, steps, block_size, batch_size, lr) -> None:
     "Counts and sizes as integers, a positive rate, ids of the model's vocabulary."
     check_count(steps, 'steps'); check_size(block_size, 'block_size')
@@ -210,8 +208,6 @@ def sample_next(
                          f"({e})") from e
 
 # %% ../nbs/06_generation.ipynb #30adf919
-#| code-fold: true
-#| code-summary: "Package details: how a cache knows its module, and what counts as a cache"
 # A cache holds the keys of one module only. It knows its module by a token that no
 # other module can have, even after the first is gone (a weak reference would be empty
 # then, and a new module may get the old one's address): the module's address and a
@@ -283,8 +279,6 @@ class KVCache:
     def __repr__(self): return f"KVCache({len(self)} tokens)"
 
 # %% ../nbs/06_generation.ipynb #40ef7a15
-#| code-fold: true
-#| code-summary: "Package details: the checks of a cache"
 @patch
 def claim(self:KVCache,
           module:nn.Module, # the attention module about to write to the cache
@@ -410,8 +404,6 @@ def new_caches(self:TinyGPT) -> list:
     return [KVCache() for _ in self.blocks]
 
 # %% ../nbs/06_generation.ipynb #c8fb2efb
-#| code-fold: true
-#| code-summary: "Package details: the checks of TinyGPT's forward"
 @patch
 def _check_call(self:TinyGPT,
                 token_ids:Tensor, # (b, num_tokens), the new tokens with caches
@@ -462,8 +454,6 @@ def _decode(
             logits = model(token_ids, fresh(token_ids.shape[1]))[:, -1]
 
 # %% ../nbs/06_generation.ipynb #53be6e83
-#| code-fold: true
-#| code-summary: "Package details: generate_stream and generate, and their checks"
 @torch.no_grad()
 def generate_stream(
     model:nn.Module,  # follows the protocol above

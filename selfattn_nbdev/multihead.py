@@ -17,8 +17,6 @@ from .causal import (CausalAttention, causal_mask, check_context,
                                    check_dropout)
 
 # %% ../nbs/04_multihead.ipynb #1176acd3
-#| code-fold: true
-#| code-summary: "Package details: check_heads"
 def check_heads(
     d_out:int, # size of the output, to be split into heads
     num_heads:int, # number of heads
@@ -117,8 +115,6 @@ class MultiHeadAttention(nn.Module):
                 f"num_heads={self.num_heads}, causal={self.causal}")
 
 # %% ../nbs/04_multihead.ipynb #ce557135
-#| code-fold: true
-#| code-summary: "Package details: fixed settings, and checkpoints that saved a mask"
 # checkpoints that saved a mask load: it is skipped, as CausalAttention skips it
 MultiHeadAttention._load_from_state_dict = CausalAttention._load_from_state_dict
 
@@ -136,8 +132,6 @@ def __setattr__(self:MultiHeadAttention, name, value):
     nn.Module.__setattr__(self, name, value)
 
 # %% ../nbs/04_multihead.ipynb #ea90e5ab
-#| code-fold: true
-#| code-summary: "Package details: the check of a padding mask"
 def _check_padding_mask(
     key_padding_mask, # None, or what the caller passed as key_padding_mask
     x:Tensor, # the input, (num_tokens, d_in) or (batch, num_tokens, d_in)
@@ -210,8 +204,6 @@ def _attend_fused(self:MultiHeadAttention,
     return context.masked_fill(dead, 0.0)
 
 # %% ../nbs/04_multihead.ipynb #87627fed
-#| code-fold: true
-#| code-summary: "Package details: _inputs, the checks at the door"
 @patch
 def _inputs(self:MultiHeadAttention,
             x:Tensor, # tokens, (num_tokens, d_in) or (b, num_tokens, d_in)

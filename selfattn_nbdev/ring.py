@@ -97,8 +97,6 @@ def _pass_on(
     return dist.batch_isend_irecv(ops), received
 
 # %% ../nbs/16_ring.ipynb #cfa40c18
-#| code-fold: true
-#| code-summary: "Code: _kv_groups"
 def _kv_groups(
     queries:Tensor, keys:Tensor, # as given to ring_attention
 ) -> int: # query heads per key/value head: 1 unless the keys have fewer heads
@@ -217,8 +215,6 @@ class _RingAttention(torch.autograd.Function):
         return *grads, None, None, None, None
 
 # %% ../nbs/16_ring.ipynb #d55ebd24
-#| code-fold: true
-#| code-summary: "Code: _check_ring_inputs"
 def _check_ring_inputs(queries, keys, values, causal, order, group):
     "Raise a clear error unless the ring can take these tensors (see ring_attention)."
     groups = _kv_groups(queries, keys)
@@ -255,8 +251,6 @@ def ring_attention(
     return _RingAttention.apply(queries, keys, values, causal, order, group, scale)
 
 # %% ../nbs/16_ring.ipynb #7ef6b0dc
-#| code-fold: true
-#| code-summary: "Code: check_ring_attention"
 def check_ring_attention(
     rank:int, world_size:int, # given by run_ranks
     cases:list, # (num_tokens, dtype, causal, order, kv_heads); 4 query heads
@@ -335,8 +329,6 @@ def context_parallel(
     return out.squeeze(0) if unbatched else out
 
 # %% ../nbs/16_ring.ipynb #32f03669
-#| code-fold: true
-#| code-summary: "Code: check_context_parallel"
 def check_context_parallel(
     rank:int, world_size:int, # given by run_ranks
     configs:list, # MultiHeadAttention keyword arguments, one dict per layer tried
@@ -366,8 +358,6 @@ def check_context_parallel(
     return results
 
 # %% ../nbs/16_ring.ipynb #211dcc2a
-#| code-fold: true
-#| code-summary: "Code: _check_split_kv"
 def _check_split_kv(queries, keys, values, allowed, causal) -> None:
     "Raise a clear error unless `split_kv_attention` can take these (see its shapes)."
     shapes = [tuple(getattr(t, 'shape', ())) for t in (queries, keys, values)]

@@ -26,8 +26,6 @@ def softmax_stable(
     return exps / sums.clamp(min=1)        # an all -inf row: 0 / 1 = 0
 
 # %% ../nbs/01_simple.ipynb #bb02182d
-#| code-fold: true
-#| code-summary: "Package details: the checks of softmax_stable"
 def _check_scores(x) -> None:
     "Scores must be a floating tensor without +inf (a hidden position is -inf)."
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():

@@ -46,8 +46,6 @@ def make_bank_sentences(
     return token_ids, labels, bank_positions
 
 # %% ../nbs/05_training.ipynb #bb5ac727
-#| code-fold: true
-#| code-summary: "Package details: the checks of make_bank_sentences"
 def _check_sentence_args(n, seed, num_tokens) -> None:
     "A positive number of sentences, an integer seed, at least 2 tokens a sentence."
     check_size(n, 'n')
@@ -90,8 +88,6 @@ class BankSenseClassifier(nn.Module):
         return (logits, attn_weights) if return_attn_weights else logits
 
 # %% ../nbs/05_training.ipynb #63e63606
-#| code-fold: true
-#| code-summary: "Package details: the checks of sentences and labels"
 # A bank position of -1 would silently pick the last token, and labels of shape (n, 1)
 # would broadcast against the (n,) predictions and compare every label with every one.
 def check_sentences(
@@ -156,8 +152,6 @@ def train_classifier(
     return losses
 
 # %% ../nbs/05_training.ipynb #0648ec12
-#| code-fold: true
-#| code-summary: "Package details: the checks of train_classifier and accuracy"
 def _check_training_args(steps, lr, labels, token_ids) -> None:
     "A whole number of steps, a positive rate, one integer label per sentence."
     check_count(steps, 'steps'); check_range(lr, 'lr', low=0, low_open=True)

@@ -38,7 +38,7 @@ def preprocess(force: bool = True) -> Path:
 PRIVATE_DEF = re.compile(r'^(?:class|def)\s+(_[A-Za-z]\w*)', re.M)
 SOLUTION = re.compile(r'^#\|\s*code-summary:\s*"?Solution', re.M)
 FOLD = re.compile(r'^#\|\s*code-(fold|summary):.*\n?', re.M)
-FOLD_EXPORT = re.compile(r'^#\|\s*fold\s*$', re.M)  # nbdev's kind of directive: export drops it, docs fold
+FOLD_EXPORT = re.compile(r'^#\|\s*fold(?:[ \t]+(.*?))?[ \t]*$', re.M)  # nbdev's kind: export drops it, docs fold
 DEFINED = re.compile(r'^(?:@patch\s*\n)?(?:class|def)\s+(\w+)(?:\(self:(\w+))?', re.M)
 
 
@@ -57,21 +57,24 @@ def reader_additions(nb: Path) -> None:
       to run it in Colab: no notebook installs the package there, and several read files of the repository
       (`../bench/*.json`), so a notebook opened on its own would fail.
     - A code cell whose notebook source has the directive `#| fold` (nbdev ignores it; the export drops it) is
-      folded under the name of what it defines: a long definition the page explains in words before it.
+      folded under the name of what it defines: a long definition the page explains in words before it;
+      `#| fold <summary>` folds it under that summary (the package's details beside the lesson's code).
     - An anchor before each private definition shown on the page (`def _tile_scores`): nbdev links a backticked
       `_tile_scores` to it, as it links a public name to its parameter table."""
     data = json.loads(nb.read_text())
     cells, out = data['cells'], []
     original = ROOT/get_config().nbs_path.name/nb.name
-    folded = ({c.get('id') for c in json.loads(original.read_text())['cells']
+    folded = ({c.get('id'): FOLD_EXPORT.search(_text(c['source'])).group(1)
+               for c in json.loads(original.read_text())['cells']
                if c['cell_type'] == 'code' and FOLD_EXPORT.search(_text(c['source']))}
-              if original.exists() else set())
+              if original.exists() else {})
     for cell in cells:
         src = _text(cell.get('source', ''))
         if cell['cell_type'] == 'code' and cell.get('id') in folded:  # `#| fold`: a long definition, folded
             names = (', '.join(f'{c}.{n}' if c else n for n, c in DEFINED.findall(src))
                      or ', '.join(re.findall(r'^([A-Za-z_]\w*)\s*=', src, re.M)) or 'the code')
-            cell['source'] = _lines(f'#| code-fold: true\n#| code-summary: "Code: {names}"\n' + src)
+            summary = folded[cell.get('id')] or f'Code: {names}'  # `#| fold <summary>`, or the names
+            cell['source'] = _lines(f'#| code-fold: true\n#| code-summary: "{summary}"\n' + src)
         private = PRIVATE_DEF.findall(src) if cell['cell_type'] == 'code' else []
         if private: out.append(_md_cell(''.join(f'<span id="{n.lower()}" class="api-anchor"></span>' for n in private)))
         if cell['cell_type'] == 'code' and SOLUTION.search(src):

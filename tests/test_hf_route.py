@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from transformers.masking_utils import (blockwise_overlay, causal_mask_function, chunked_causal_mask_function,
                                         or_masks, sdpa_mask, sliding_window_causal_mask_function)
 
-from bench.hf_route import FAMILIES, REFUSED, padded_batch, prove, refusal, tiny
+from bench.hf_route import FAMILIES, REFUSED, VOCAB, padded_batch, prove, refusal, tiny
 from selfattn_nbdev import hf
 from selfattn_nbdev.hf import HFMask, attend, hf_attention, hf_mask, register
 from selfattn_nbdev.masks import and_masks, dense_mask, flex_mode, key_padding
@@ -184,3 +184,22 @@ def test_importing_the_module_leaves_transformers_alone():
     code = 'import sys, selfattn_nbdev.hf; print("transformers" in sys.modules)'
     out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == 'False'
+
+
+@pytest.mark.parametrize('model_type', ['llama', 'mistral', 'gemma2'])
+def test_packed_sequences_as_transformers_packs_them(model_type):
+    """Padding-free batches (transformers' DataCollatorWithFlattening): documents side by side in one row, each told
+    apart by position_ids that start again at 0, no attention_mask, no cache (transformers looks for documents only
+    then). Each document attends only within itself."""
+    model = tiny(model_type)
+    ids = torch.randint(3, VOCAB, (1, 30), generator=torch.Generator().manual_seed(2))
+    positions = torch.cat([torch.arange(12), torch.arange(18)])[None]       # two documents
+    out = {}
+    with torch.no_grad():
+        for name in ('eager', 'selfattn_nbdev'):
+            model.set_attn_implementation(name)
+            out[name] = model(ids, position_ids=positions, use_cache=False).logits
+        alone = model(ids[:, 12:], position_ids=positions[:, 12:], use_cache=False).logits  # by itself
+    scale = out['eager'].abs().max().item()
+    torch.testing.assert_close(out['selfattn_nbdev'], out['eager'], rtol=0, atol=1e-5 * scale)
+    torch.testing.assert_close(out['selfattn_nbdev'][:, 12:], alone, rtol=0, atol=1e-5 * scale)

@@ -151,21 +151,17 @@ class _NotebookMethod:
         if f is None: raise AttributeError(self.f.__name__)
         return f.__get__(obj, owner) if hasattr(f, "__get__") else f
 
-_compiled_main = {"module": None}  # the __main__ that torch.compile last saw
-
 def _forget_old_main() -> None:
     "A new notebook in the process: make torch.compile forget the old `__main__`."
     main = sys.modules["__main__"]
-    if _compiled_main["module"] in (None, main):
-        _compiled_main["module"] = main; return
     import torch._dynamo.symbolic_convert as convert  # it caches imported modules
+    if convert._import_module("__main__") is main: return  # (caches main if new)
     convert._import_module.cache_clear()
     for module in list(sys.modules.values()):  # and names the old one in globals
         names = getattr(module, "__dict__", {})
         if names.get("__import___main__") not in (None, main):
             del names["__import___main__"]
     torch._dynamo.reset()
-    _compiled_main["module"] = main
 
 def replaces(
     module, # an earlier page's module: its function of the same name is replaced

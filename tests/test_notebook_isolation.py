@@ -36,6 +36,10 @@ def test_compiled_flex_in_a_second_notebook():
     first = ("import torch\nfrom selfattn_nbdev.masks import flex_attend\n"
              "def causal(b, h, q_idx, kv_idx): return torch.ge(q_idx, kv_idx)\n"
              "q = torch.randn(1, 2, 128, 16)\nout = flex_attend(q, q, q, causal, compiled=True)\nok = True")
+    elsewhere = ("import torch\nfrom torch.nn.attention.flex_attention import flex_attention\n"
+                 "cap = 5.0\ndef capped(score, b, h, q_idx, kv_idx): return cap * torch.tanh(score / cap)\n"
+                 "q = torch.randn(1, 2, 128, 16)\n"          # compiled by the notebook itself, not the package
+                 "out = torch.compile(flex_attention)(q, q, q, score_mod=capped)\nok = True")
     second = ("import torch, numbers\nfrom selfattn_nbdev.masks import flex_attend\n"
               "def capped(score, b, h, q_idx, kv_idx):\n"
               "    assert isinstance(5.0, numbers.Real)\n    return 5 * torch.tanh(score / 5)\n"
@@ -44,7 +48,7 @@ def test_compiled_flex_in_a_second_notebook():
               "out = flex_attend(q, q, q, causal, compiled=True, score_mod=capped)\nok = True")
     script = textwrap.dedent(f'''
         from execnb.shell import CaptureShell
-        for code in ({first!r}, {second!r}):
+        for code in ({elsewhere!r}, {second!r}, {first!r}, {second!r}):
             shell = CaptureShell(); shell.run(code)
             assert shell.user_ns.get('ok'), shell.exc
         print('compiled in both')

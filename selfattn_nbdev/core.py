@@ -155,7 +155,9 @@ def _forget_old_main() -> None:
     "A new notebook in the process: make torch.compile forget the old `__main__`."
     main = sys.modules["__main__"]
     import torch._dynamo.symbolic_convert as convert  # it caches imported modules
-    if convert._import_module("__main__") is main: return  # (caches main if new)
+    flex = getattr(sys.modules.get("torch.nn.attention.flex_attention"), "__dict__", {})
+    if (convert._import_module("__main__") is main  # (caches main if new)
+            and flex.get("__import___main__") in (None, main)): return  # its alias
     convert._import_module.cache_clear()
     for module in list(sys.modules.values()):  # and names the old one in globals
         names = getattr(module, "__dict__", {})

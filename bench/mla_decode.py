@@ -62,7 +62,7 @@ def main(out: Path) -> dict:
         'step_ms': {str(S): {k: v * 1e3 for k, v in t.items()} for S, t in times.items()},
         'step_flops': {k: {str(S): f for S, f in v.items()} for k, v in flops.items()},
         'flops_per_cached_token': {k: (v[b] - v[a]) / (b - a) for k, v in flops.items()},
-        'reps': REPS, 'statistic': 'min', 'gpu': 'unmeasured (none lent)',
+        'reps': REPS, 'statistic': 'min', 'gpu': 'unmeasured',
         'machine': {'cpu_model': cpu_model(), 'cpu_count': os.cpu_count()}, 'torch': torch.__version__,
         'threads': torch.get_num_threads(), 'date': datetime.date.today().isoformat(),
         'command': ' '.join([*(f'OMP_NUM_THREADS={t}' for t in [os.environ.get('OMP_NUM_THREADS')] if t),

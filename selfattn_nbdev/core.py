@@ -151,13 +151,14 @@ class _NotebookMethod:
         if f is None: raise AttributeError(self.f.__name__)
         return f.__get__(obj, owner) if hasattr(f, "__get__") else f
 
+_last_main = [None]  # the `__main__` that torch.compile may have met last
+
 def _forget_old_main() -> None:
     "A new notebook in the process: make torch.compile forget the old `__main__`."
     main = sys.modules["__main__"]
+    if main is _last_main[0]: return
+    _last_main[0] = main
     import torch._dynamo.symbolic_convert as convert  # it caches imported modules
-    flex = getattr(sys.modules.get("torch.nn.attention.flex_attention"), "__dict__", {})
-    if (convert._import_module("__main__") is main  # (caches main if new)
-            and flex.get("__import___main__") in (None, main)): return  # its alias
     convert._import_module.cache_clear()
     for module in list(sys.modules.values()):  # and names the old one in globals
         names = getattr(module, "__dict__", {})

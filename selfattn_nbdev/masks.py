@@ -292,8 +292,9 @@ FLEX_RECOMPILE_LIMIT = 64  # compilations kept: mask forms x shapes x dtypes
 
 def _room(compiled:bool): # a context for the compiled calls
     "Room for many compilations: past the default 8, torch runs the uncompiled code."
-    if not compiled or torch.compiler.is_compiling(): return contextlib.nullcontext()
+    if torch.compiler.is_compiling(): return contextlib.nullcontext()
     _forget_old_main()  # notebooks that share a process (nbdev_test): see the core
+    if not compiled: return contextlib.nullcontext()  # eager flex compiles too
     config, name = torch._dynamo.config, _limit_name()
     # a patch of torch's config holds in this thread only: each thread makes its room
     return config.patch(**{name: max(getattr(config, name), FLEX_RECOMPILE_LIMIT)})

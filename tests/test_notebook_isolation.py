@@ -31,28 +31,44 @@ def test_a_notebooks_method_stays_in_that_notebook():
     assert out.returncode == 0 and 'isolated' in out.stdout, out.stdout + out.stderr
 
 
+# a notebook that compiles FlexAttention itself, not through the package
+ELSEWHERE = ("import torch\nfrom torch.nn.attention.flex_attention import flex_attention\n"
+             "cap = 5.0\ndef capped(score, b, h, q_idx, kv_idx): return cap * torch.tanh(score / cap)\n"
+             "q = torch.randn(1, 2, 128, 16)\n"
+             "out = torch.compile(flex_attention)(q, q, q, score_mod=capped)\nok = True")
+# a notebook whose score function reads a module of its own `__main__` (`numbers`)
+SECOND = ("import torch, numbers\nfrom selfattn_nbdev.masks import flex_attend\n"
+          "def capped(score, b, h, q_idx, kv_idx):\n"
+          "    assert isinstance(5.0, numbers.Real)\n    return 5 * torch.tanh(score / 5)\n"
+          "def causal(b, h, q_idx, kv_idx): return q_idx >= kv_idx\n"
+          "q = torch.randn(1, 2, 128, 16)\n"
+          "out = flex_attend(q, q, q, causal, compiled={compiled}, score_mod=capped)\nok = True")
+
+
 def test_compiled_flex_in_a_second_notebook():
     "torch.compile caches the first `__main__` it imports: a second notebook's score function must still compile."
     first = ("import torch\nfrom selfattn_nbdev.masks import flex_attend\n"
              "def causal(b, h, q_idx, kv_idx): return torch.ge(q_idx, kv_idx)\n"
              "q = torch.randn(1, 2, 128, 16)\nout = flex_attend(q, q, q, causal, compiled=True)\nok = True")
-    elsewhere = ("import torch\nfrom torch.nn.attention.flex_attention import flex_attention\n"
-                 "cap = 5.0\ndef capped(score, b, h, q_idx, kv_idx): return cap * torch.tanh(score / cap)\n"
-                 "q = torch.randn(1, 2, 128, 16)\n"          # compiled by the notebook itself, not the package
-                 "out = torch.compile(flex_attention)(q, q, q, score_mod=capped)\nok = True")
-    second = ("import torch, numbers\nfrom selfattn_nbdev.masks import flex_attend\n"
-              "def capped(score, b, h, q_idx, kv_idx):\n"
-              "    assert isinstance(5.0, numbers.Real)\n    return 5 * torch.tanh(score / 5)\n"
-              "def causal(b, h, q_idx, kv_idx): return q_idx >= kv_idx\n"
-              "q = torch.randn(1, 2, 128, 16)\n"
-              "out = flex_attend(q, q, q, causal, compiled=True, score_mod=capped)\nok = True")
+    second = SECOND.format(compiled=True)
+    _in_one_process(ELSEWHERE, second, first, second)
+
+
+def test_eager_flex_after_a_notebook_compiled_flex():
+    """flex_attention compiles itself even when the package does not ask it to: a score function of the second
+    notebook that reads one of its modules must not be looked up in the first notebook's `__main__`."""
+    _in_one_process(ELSEWHERE, SECOND.format(compiled=False))
+
+
+def _in_one_process(*notebooks):
+    "Run each code as a notebook of its own (a new shell, a new __main__), all in one fresh process."
     script = textwrap.dedent(f'''
         from execnb.shell import CaptureShell
-        for code in ({elsewhere!r}, {second!r}, {first!r}, {second!r}):
+        for code in {notebooks!r}:
             shell = CaptureShell(); shell.run(code)
             assert shell.user_ns.get('ok'), shell.exc
-        print('compiled in both')
+        print('all ran')
     ''')
     out = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, timeout=600,
                          env={**os.environ, 'OMP_NUM_THREADS': '1'})
-    assert out.returncode == 0 and 'compiled in both' in out.stdout, out.stdout + out.stderr[-3000:]
+    assert out.returncode == 0 and 'all ran' in out.stdout, out.stdout + out.stderr[-3000:]

@@ -175,6 +175,11 @@ def _tiled_forward(
     return context_vecs, lse
 
 # %% ../nbs/11_tiled.ipynb #59696cf5
+def _fold(grad:Tensor, like:Tensor) -> Tensor: # grad summed to like's shape
+    "A tile's gradient summed over the leading axes `like` shares (size 1): GQA."
+    dims = [d for d in range(grad.dim() - 2) if like.shape[d] == 1 < grad.shape[d]]
+    return grad.sum(dims, keepdim=True) if dims else grad
+
 def _tiled_backward(
     grad_context:Tensor, # dO, the gradient of the loss w.r.t. the output, (..., T, d_v)
     queries:Tensor,      # the forward's queries, (..., T, head_dim)
@@ -188,6 +193,7 @@ def _tiled_backward(
     score_mod:Callable|None=None, # as in the forward pass
     sinks:Tensor|None=None, # as in the forward pass
     scale:float|None=None, # as in the forward pass
+    grad_lse:Tensor|None=None, # dL, when L was returned and used, (..., T, 1)
 ) -> tuple: # the gradients of queries, keys, values and sinks
     "dQ, dK, dV (and dσ) from O and L, recomputing the weights P tile by tile."
     num_tokens, num_keys = queries.shape[-2], keys.shape[-2]
@@ -196,6 +202,7 @@ def _tiled_backward(
     kinds = _tile_kinds(block_mask)
     lse = lse.masked_fill(lse == -math.inf, math.inf)  # a query that saw nothing: P = 0
     D = (grad_context * context_vecs).sum(-1, keepdim=True)    # (..., T, 1)
+    if grad_lse is not None: D = D - grad_lse   # dS = P (dP - D) + P dL: dL/dS = P
     grad_sinks = None if sinks is None else -(torch.exp(      # dσ = -Σ p_sink D
         sinks.to(lse.dtype)[:, None, None] - lse) * D).sum((0, 2, 3)).to(sinks.dtype)
     grad_queries, grad_keys, grad_values = map(torch.zeros_like,
@@ -216,17 +223,19 @@ def _tiled_backward(
             if attn_scores is None: continue                          # empty tile
             attn_weights = torch.exp(attn_scores - lse[..., rows, :])  # P (.., bq, bk)
             grad_out = grad_context[..., rows, :]                    # dO (.., bq, d_v)
-            grad_values[..., cols, :] += attn_weights.transpose(-2, -1) @ grad_out
+            grad_values[..., cols, :] += _fold(
+                attn_weights.transpose(-2, -1) @ grad_out, v_blk)
             grad_weights = grad_out @ v_blk.transpose(-2, -1)           # dP = dO V^T
             grad_scores = attn_weights * (grad_weights - D[..., rows, :])  # dS
             if score_mod is not None:  # dS through the score function to Q and K
                 grad_q, grad_k = torch.autograd.grad(attn_scores, (q_blk, k_tile),
                                                      grad_scores)
                 grad_queries[..., rows, :] += grad_q * scale
-                grad_keys[..., cols, :] += grad_k
+                grad_keys[..., cols, :] += _fold(grad_k, k_blk)
                 continue
             grad_queries[..., rows, :] += grad_scores @ k_blk * scale
-            grad_keys[..., cols, :] += grad_scores.transpose(-2, -1) @ q_blk
+            grad_keys[..., cols, :] += _fold(
+                grad_scores.transpose(-2, -1) @ q_blk, k_blk)
     return grad_queries, grad_keys, grad_values, grad_sinks
 
 # %% ../nbs/11_tiled.ipynb #cd919d88
@@ -241,11 +250,11 @@ class _TiledAttention(torch.autograd.Function):
         ctx.save_for_backward(queries, keys, values, context_vecs, lse, sinks)
         ctx.settings = causal, block_size, block_mask, score_mod
         ctx.scale = scale
-        return context_vecs
+        return context_vecs, lse
 
     @staticmethod
-    def backward(ctx, grad_context):
-        "Gradients of queries, keys and values; none for the other arguments."
+    def backward(ctx, grad_context, grad_lse):
+        "Gradients of queries, keys and values (and sinks); none for the settings."
         if torch.is_grad_enabled():  # create_graph=True: a gradient of this gradient
             raise RuntimeError(
                 "tiled_attention's backward runs tile by tile and cannot be "
@@ -253,7 +262,7 @@ class _TiledAttention(torch.autograd.Function):
                 "not supported; use F.scaled_dot_product_attention for those")
         *saved, sinks = ctx.saved_tensors
         *grads, grad_sinks = _tiled_backward(grad_context, *saved, *ctx.settings, sinks,
-                                             ctx.scale)
+                                             ctx.scale, grad_lse)
         return *grads, None, None, None, None, grad_sinks, None
 
 # %% ../nbs/11_tiled.ipynb #6e0d615a
@@ -280,9 +289,12 @@ def _check_attention_inputs(
     if len({t.device for t in tensors.values()}) > 1:
         raise ValueError(f"queries, keys and values must be on one device; "
                          f"got {devices}")
-    if not queries.shape[:-2] == keys.shape[:-2] == values.shape[:-2]:
+    lead, kv_lead = queries.shape[:-2], keys.shape[:-2]   # kv: 1 where shared (GQA)
+    if (kv_lead != values.shape[:-2] or len(kv_lead) != len(lead)
+            or any(k not in (q, 1) for q, k in zip(lead, kv_lead))):
         raise ValueError(f"queries, keys and values must have the same leading dims "
-                         f"(...); got {shapes}")
+                         f"(...); got {shapes}; keys and values may have 1 on an axis "
+                         f"where query heads share them (GQA)")
     if queries.shape[-1] != keys.shape[-1]:
         raise ValueError(f"queries and keys must have the same head_dim (last dim); "
                          f"got {shapes}")
@@ -332,7 +344,8 @@ def tiled_attention(
     score_mod:Callable|None=None, # (s, b, h, q_idx, kv_idx) -> s, e.g. alibi(slopes)
     sinks:Tensor|None=None, # (heads,): one more logit per head, with no value
     scale:float|None=None, # c in softmax(c QKᵀ); None: 1/sqrt(head_dim), as SDPA
-) -> Tensor: # context vectors (..., num_tokens, d_v)
+    return_lse:bool=False, # also return each query's L, with a gradient through it
+) -> Tensor|tuple: # context vectors (..., num_tokens, d_v) [, L (..., num_tokens)]
     "softmax(c QKᵀ) V tile by tile: no (num_tokens, num_keys) matrix, forward or back."
     _check_attention_inputs(queries, keys, values, causal, block_size)
     scale = _scale_of(scale, queries.shape[-1])
@@ -340,14 +353,14 @@ def tiled_attention(
         _check_block_mask(block_mask, queries, keys)
         block_size = block_mask.block_size
     _check_score_changes(score_mod, sinks, queries)
-    if queries.dtype in (torch.float16, torch.bfloat16):  # the tiles in float32, as
-        out = tiled_attention(queries.float(), keys.float(), values.float(), causal,
-                              block_size, block_mask,     # SDPA's kernels compute them
-                              score_mod, None if sinks is None else sinks.float(),
-                              scale)
-        return out.to(values.dtype)
-    return _TiledAttention.apply(queries, keys, values, causal, block_size, block_mask,
-                                 score_mod, sinks, scale)
+    check_flag(return_lse, 'return_lse')
+    half = queries.dtype in (torch.float16, torch.bfloat16)  # tiles in float32 then,
+    work = torch.float32 if half else queries.dtype          # as SDPA's kernels do
+    out, lse = _TiledAttention.apply(*(t.to(work) for t in (queries, keys, values)),
+                                     causal, block_size, block_mask, score_mod,
+                                     None if sinks is None else sinks.to(work), scale)
+    out = out.to(values.dtype)                      # L stays float32, as SDPA's does
+    return (out, lse.squeeze(-1)) if return_lse else out
 
 # %% ../nbs/11_tiled.ipynb #fda648e3
 def alibi_slopes(

@@ -6,11 +6,12 @@
 __all__ = ['TRANSFORMERS_ROUTE', 'HF_DEFAULTS', 'GPT2_NAMES', 'LLAMA_FAMILY', 'GEMMA_FAMILY', 'DEEPSEEK_FAMILY', 'GPT2Block',
            'GPT2', 'SwiGLU', 'LlamaBlock', 'Llama', 'gpt2_weight_map', 'llama_weight_map', 'load_hf_state_dict',
            'hf_settings', 'gpt2_config', 'gpt2_from_hf', 'llama_config', 'llama_from_hf', 'GemmaRMSNorm', 'GeGLU',
-           'ScaledEmbedding', 'GemmaBlock', 'Gemma', 'gemma_config', 'gemma_weight_map', 'LatentAttention',
-           'DeepSeekBlock', 'DeepSeekV3', 'deepseek_config', 'deepseek_weight_map', 'from_torch_multihead',
-           'check_yarn', 'yarn_frequencies', 'yarn_mscale']
+           'ScaledEmbedding', 'GemmaBlock', 'Gemma', 'gemma_config', 'gemma_weight_map', 'attention_weights',
+           'LatentAttention', 'DeepSeekBlock', 'DeepSeekV3', 'deepseek_config', 'deepseek_weight_map',
+           'from_torch_multihead', 'check_yarn', 'yarn_frequencies', 'yarn_mscale']
 
 # %% ../nbs/13_pretrained.ipynb #f71f2efc
+import contextlib
 import json
 import math
 import numbers
@@ -671,6 +672,31 @@ def gemma_weight_map(
     table.append(("norm.weight", ("norm.weight",), False))
     if not tie_embeddings: table.append(("lm_head.weight", ("head.weight",), False))
     return table
+
+# %% ../nbs/13_pretrained.ipynb #d3a7e002
+@contextlib.contextmanager
+def attention_weights(
+    model:nn.Module, # a model of the package (or one attention module)
+): # a list that fills with (b, heads, T, keys) weights, one per attention call
+    "Within the `with` block, each attention module of `model` keeps its weights."
+    modules = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
+    if not modules:
+        raise ValueError(f"{type(model).__name__} holds no MultiHeadAttention (or "
+                         f"LlamaAttention) module whose weights could be returned")
+    weights, handles = [], []
+    def ask(module, args, kwargs):                     # before: the explicit path
+        return args, {**kwargs, "return_attn_weights": True}
+    def keep(module, args, kwargs, output):           # after: keep alpha, pass z on
+        context_vecs, attn_weights = output
+        weights.append(attn_weights)
+        return context_vecs
+    try:
+        for m in modules:
+            handles.append(m.register_forward_pre_hook(ask, with_kwargs=True))
+            handles.append(m.register_forward_hook(keep, with_kwargs=True))
+        yield weights
+    finally:
+        for handle in handles: handle.remove()
 
 # %% ../nbs/13_pretrained.ipynb #fe9e878c
 class LatentAttention(nn.Module):

@@ -128,11 +128,20 @@ def check_explorers(page, name: str, rep: Report) -> None:
                     diff = (shown() - pkg_weights[h]).abs().max().item()
                     rep.counts['explorer max diff'] = max(rep.counts.get('explorer max diff', 0.0), diff)
                     rep.check(diff <= 1e-6, f'{mode}: data-weights equal the package\'s within 1e-6 (max diff {diff:.1e})')
-                if causal:
+                if causal and not inputs.get('fixed'):
                     w = shown()
                     rep.check(w.triu(1).abs().max() == 0 and torch.allclose(w.sum(-1), torch.ones(T, dtype=w.dtype)),
                               f'{where} (head {h + 1}): with the mask on, every future weight is 0 and rows sum to 1')
 
+        if inputs.get('fixed'):  # a layer's own weights: no switch, no slider
+            against_package(start_causal)
+            hidden = ~torch.tensor(inputs['allowed'])
+            rep.check(box.count() == 0 and slider.count() == 0 and bool((shown()[hidden] == 0).all()),
+                      f'{where}: a layer\'s explorer has no switch or slider, and its hidden cells hold 0')
+            tokens.nth(0).focus(); page.keyboard.press('Enter')
+            rep.check(tokens.nth(0).get_attribute('aria-pressed') == 'true', f'{where}: Enter on a focused token selects it')
+            rep.count('explorer checks', rep.passed + len(rep.failures) - before)
+            continue
         against_package(start_causal)
         box.click()
         rep.check(box.is_checked() != start_causal, f'{where}: the causal toggle switches')

@@ -14,6 +14,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssAttention, GptOssRotaryEmbedding
 
+import selfattn_nbdev.hybrid  # noqa: E402,F401  registers qwen3_5_text in HF_DEFAULTS
 from selfattn_nbdev.models import HF_DEFAULTS, hf_settings
 from selfattn_nbdev.pretrained import from_hf, save_hf
 from selfattn_nbdev.recent import LlamaAttention
@@ -119,6 +120,9 @@ def test_defaults_are_transformers_defaults():
                 theta = cls.default_theta
                 want = theta['global' if key == 'rope_theta' else 'local'] if isinstance(theta, dict) else theta
             elif key == 'sliding_window_pattern': want = 6   # Gemma 3's __post_init__: kwargs.get(..., 6)
+            elif key == 'full_attention_interval': want = 4  # Qwen3.5's __post_init__: kwargs.pop(..., 4)
+            elif key == 'partial_rotary_factor':                # Qwen3.5 keeps it in rope_parameters
+                want = AutoConfig.for_model(kind).rope_parameters[key]
             else:
                 assert key in fields, (kind, key)
                 want = fields[key].default

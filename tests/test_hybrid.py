@@ -3,7 +3,7 @@ Qwen3_5Attention and M-RoPE; the package's Qwen35, loaded by from_hf from a tiny
 and saved offline, against transformers (logits, greedy tokens, cached and uncached, left-padded batches longer than a
 delta-rule chunk); and the package's blocks inside transformers: GatedDeltaNet in Qwen3.5-MoE, the Indexer,
 topk_indices and sparse_attention in DeepSeek-V3.2. Nothing is downloaded."""
-import copy, json, math
+import copy, json, math, subprocess, sys
 
 import pytest
 import torch
@@ -357,3 +357,13 @@ def test_package_sparse_attention_inside_transformers_deepseek_v32(record_diff):
         block.self_attn.forward = package_sparse_attention(block.self_attn)
     with torch.no_grad():
         assert (dense(ids, attention_mask=mask).logits - ours(ids, attention_mask=mask).logits).abs().max() > 1e-2
+
+
+def test_from_hf_finds_qwen35_without_importing_the_hybrid_page(qwen35_pair):
+    "A user who imports only from_hf: the family's module is imported when its model_type is met."
+    folder = qwen35_pair[2]
+    script = ("import sys\nfrom selfattn_nbdev.pretrained import from_hf\n"
+              "assert 'selfattn_nbdev.hybrid' not in sys.modules\n"
+              f"model = from_hf({str(folder)!r})\nprint(type(model).__name__)")
+    out = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == 'Qwen35', out.stdout + out.stderr[-2000:]

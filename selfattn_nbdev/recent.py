@@ -344,6 +344,8 @@ def _attend_sunk(self:LlamaAttention, queries, keys, values, key_padding_mask=No
     (b, _, T, hd), kv, S = queries.shape, self.num_kv_heads, keys.shape[2]
     group = self.num_heads // kv  # GQA by broadcasting: a head group shares keys
     queries = queries.unflatten(1, (kv, group)).transpose(0, 1)   # (kv, b, g, T, hd)
+    if torch.is_grad_enabled() and keys.requires_grad:  # a cache writes its storage in
+        keys, values = keys.clone(), values.clone()  # place; backward needs these kept
     keys, values = (t.transpose(0, 1)[:, :, None]    # (kv, b, 1, S, hd), not copied:
                     for t in (keys, values))          # the mask's (b, 1) meets (b, g)
     plain = (allowed is None and key_padding_mask is None and document_ids is None
@@ -351,7 +353,7 @@ def _attend_sunk(self:LlamaAttention, queries, keys, values, key_padding_mask=No
     if allowed is not None:  # a cache's own mask, (b | 1, 1, T, S): asked by row
         predicate, q_offset = lambda b, h, q, kv: allowed[b, 0, q, kv], 0
     else: predicate, q_offset = self._mask_mod(key_padding_mask, document_ids), None
-    rows = (allowed.shape[0] if allowed is not None else queries.shape[0]
+    rows = (allowed.shape[0] if allowed is not None else b
             if key_padding_mask is not None or document_ids is not None else 1)
     tiles = None if plain else block_mask(predicate, T, S, SINK_BLOCK, rows,
                                           device=queries.device, q_offset=q_offset)

@@ -537,15 +537,8 @@ CASES = {
                                  ['causal', "'False'"]),
     'reference_module causal': (lambda: reference_module(EXPLORER, causal=1), TypeError, ['causal', 'got 1']),
     # --- robustness: inputs found wanting after the first release
-    'explorer from_module window': (lambda: AttentionExplorer.from_module(
-        MultiHeadAttention(4, 4, 8, num_heads=2, window=2), ['a', 'b'], torch.eye(2, 4)), ValueError,
-        ['window', "{'window': 2}"]),
-    'explorer from_module rope': (lambda: AttentionExplorer.from_module(
-        MultiHeadAttention(4, 4, 8, num_heads=2, rope=True), ['a', 'b'], torch.eye(2, 4)), ValueError,
-        ['RoPE', "'rope': True"]),
-    'explorer from_module kv heads': (lambda: AttentionExplorer.from_module(
-        MultiHeadAttention(4, 4, 8, num_heads=2, num_kv_heads=1), ['a', 'b'], torch.eye(2, 4)), ValueError,
-        ['key/value heads', "'num_kv_heads': 1"]),
+    'explorer from_module not attention': (lambda: AttentionExplorer.from_module(
+        nn.Linear(4, 4), ['a', 'b'], torch.eye(2, 4)), TypeError, ['W_query, W_key and W_value', 'Linear']),
     'explorer embeddings strings': (lambda: AttentionExplorer(['a', 'b'], [['x', 'y'], ['z', 'w']], torch.eye(2),
                                                               torch.eye(2), torch.eye(2)), TypeError,
                                     ['embeddings', 'list']),

@@ -321,10 +321,12 @@ def _padded_equals_unpadded_run_by_run(model):
 
 
 def _route(m, x, **kw):
-    "Which way a module's masked attention went: 'runs', 'flex' (not run here) or 'dense'."
-    went, real_by_run = [], masks._by_run
+    "Which way a module's masked attention went: 'runs', 'flex' (not run here), 'tiled' (sinks, by L) or 'dense'."
+    went, real_by_run, real_sunk = [], masks._by_run, LlamaAttention._attend_sunk
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(masks, '_by_run', lambda *a: went.append('runs') or real_by_run(*a))
+        mp.setattr(LlamaAttention, '_attend_sunk',
+                   lambda self, *a, **k: went.append('tiled') or real_sunk(self, *a, **k))
         mp.setattr(masks.MultiHeadAttention, '_attend_flex',
                    lambda self, q, *a, **k: went.append('flex') or torch.zeros_like(q))
         m(x, **kw)
@@ -371,7 +373,7 @@ def test_a_padded_window_goes_run_by_run_as_each_row_alone(kind):
     pad = torch.stack([T >= 1100, T >= 700, T < 300, (T < 10) | (T >= 1000)])          # none, right, left, both
     x = torch.randn(4, 1100, 16, dtype=torch.float64, requires_grad=True)
     w = torch.randn(4, 1100, 16, dtype=torch.float64)
-    assert _route(m, x, key_padding_mask=pad) == 'runs'
+    assert _route(m, x, key_padding_mask=pad) == ('tiled' if kind == 'sinks' else 'runs')  # sinks: by their L
     out = m(x, key_padding_mask=pad)
     (grad,) = torch.autograd.grad((out * w)[~pad].sum(), x)
     for row in range(4):
@@ -419,15 +421,15 @@ def test_varlen_attend_checks_its_window_as_a_module_does():
         varlen_attend(q, q, q, None, False, ids, window=3)
 
 
-def test_sinks_with_a_window_go_by_run_where_flex_would_have_run():
-    "Sinks are no score function, so Flex never takes them: a long window in documents goes by run, not n x n."
+def test_sinks_with_a_window_in_documents_take_the_tiled_kernel():
+    "Sinks are no score function, so Flex never takes them: a long window in documents goes tiled (L), not n x n."
     torch.manual_seed(0)
     m = LlamaAttention(16, 4096, num_heads=2, sinks=True, window=16).double().eval()
     capped = LlamaAttention(16, 4096, num_heads=2, softcap=20.0, window=16).double().eval()
     ids = torch.repeat_interleave(torch.arange(2), 2048)[None]
     x = torch.randn(1, 4096, 16, dtype=torch.float64)
     with torch.no_grad():
-        assert _route(m, x, document_ids=ids) == 'runs'
+        assert _route(m, x, document_ids=ids) == 'tiled'
         assert _route(capped, x, document_ids=ids) == 'flex'                     # a soft cap alone: Flex's score_mod
         alone = torch.cat([m(part) for part in x.split(2048, dim=1)], dim=1)
         assert (m(x, document_ids=ids) - alone).abs().max() < 1e-12

@@ -167,8 +167,8 @@ LATER_FAMILIES = {"qwen3_5_text": "hybrid"}  # model_type: the module that regis
 
 def _family(config:dict) -> tuple: # build, its keyword arguments, prefix, weight map
     "The model class of a config's `model_type`, its sizes, and where its tensors go."
-    later = LATER_FAMILIES.get(config.get("model_type"))
-    if later is not None: importlib.import_module(f"selfattn_nbdev.{later}")
+    later = isinstance(config, dict) and LATER_FAMILIES.get(config.get("model_type"))
+    if later: importlib.import_module(f"selfattn_nbdev.{later}")
     kind = hf_settings(config)["model_type"]   # an unknown family: refused there
     build, read, prefix, weight_map = FAMILIES[kind]
     sizes = read(config)

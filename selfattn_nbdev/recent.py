@@ -339,13 +339,14 @@ SINK_BLOCK = 64  # tokens per tile on the sinks' path
 
 @patch
 def _attend_sunk(self:LlamaAttention, queries, keys, values, key_padding_mask=None,
-                 document_ids=None, allowed=None) -> Tensor: # (b, heads, T, head_dim)
+                 document_ids=None, allowed=None, # a cache's mask (b | 1, 1, T, S)
+                 cached:bool=False) -> Tensor: # (b, heads, T, head_dim)
     "Sinks after the tiled kernel's L: masked tiles skipped, no (T, keys) scores."
     (b, _, T, hd), kv, S = queries.shape, self.num_kv_heads, keys.shape[2]
     group = self.num_heads // kv  # GQA by broadcasting: a head group shares keys
     queries = queries.unflatten(1, (kv, group)).transpose(0, 1)   # (kv, b, g, T, hd)
-    if torch.is_grad_enabled() and keys.requires_grad:  # a cache writes its storage in
-        keys, values = keys.clone(), values.clone()  # place; backward needs these kept
+    if cached and torch.is_grad_enabled():  # a cache writes its storage in place
+        keys, values = keys.clone(), values.clone()  # before backward reads these
     keys, values = (t.transpose(0, 1)[:, :, None]    # (kv, b, 1, S, hd), not copied:
                     for t in (keys, values))          # the mask's (b, 1) meets (b, g)
     plain = (allowed is None and key_padding_mask is None and document_ids is None
@@ -401,8 +402,9 @@ def _attend_fused(self:LlamaAttention, queries, keys, values, allowed=None,
     if self.softcap is None and self.sinks is None:
         return MultiHeadAttention._attend_fused(self, queries, keys, values, allowed,
                                                 every_row)
-    if allowed is not None and self._sinks_tiled(queries.shape[2]):
-        return self._attend_sunk(queries, keys, values, allowed=allowed)
+    if (allowed is not None or every_row) and self._sinks_tiled(queries.shape[2]):
+        return self._attend_sunk(queries, keys, values, allowed=allowed,
+                                 cached=every_row)
     if allowed is not None:
         return self._attend_explicit(queries, keys, values, allowed)[0]
     return self._attend_scored(queries, keys, values)

@@ -9,13 +9,14 @@ __all__ = ['SelfAttention', 'check_tokens', 'check_size', 'check_flag', 'check_c
            'causal_mask', 'CausalAttention', 'leaks_future', 'check_heads', 'MultiHeadAttentionWrapper',
            'MultiHeadAttention', 'to_torch_multihead', 'KVCache', 'StaticKVCache', 'TinyGPT', 'generate',
            'generate_stream', 'sample_next', 'repeat_kv', 'window_mask', 'rope_angles', 'apply_rope', 'causal',
-           'sliding_window', 'key_padding', 'documents', 'and_masks', 'or_masks', 'dense_mask', 'AttentionExplorer',
-           'package_attention']
+           'sliding_window', 'key_padding', 'documents', 'and_masks', 'or_masks', 'dense_mask', 'attention_kernel',
+           'tiled_attention', 'AttentionExplorer', 'package_attention']
 
 # %% ../nbs/index.ipynb #e26eca70
 # Later pages add to the modules of earlier ones (MultiHeadAttention gains a cache,
-# shared key/value heads, a window, RoPE, packed documents): import them all, in the
-# order of the site, so that every import of the package gets the whole class.
+# shared key/value heads, a window, RoPE, packed documents, the tiled kernel for
+# score functions): import them all, in the order of the site, so that every import
+# of the package gets the whole class.
 from .core import (SelfAttention, check_count, check_flag, check_range,
                                  check_size, check_token_ids, check_tokens)
 from .simple import softmax_stable, simple_attention
@@ -27,8 +28,9 @@ from .multihead import (check_heads, MultiHeadAttentionWrapper,
 from .generation import KVCache, TinyGPT, sample_next
 from .decoding import StaticKVCache, generate, generate_stream
 from .modern import repeat_kv, window_mask, rope_angles, apply_rope
-from .masks import (and_masks, causal, dense_mask, documents,
-                                  key_padding, or_masks, sliding_window)
+from .masks import (and_masks, attention_kernel, causal, dense_mask,
+                                  documents, key_padding, or_masks, sliding_window)
+from .tiled import tiled_attention
 from .explorer import AttentionExplorer, package_attention
 
 _all_ = ['SelfAttention', 'check_tokens', 'check_size', 'check_flag', 'check_count',
@@ -39,4 +41,5 @@ _all_ = ['SelfAttention', 'check_tokens', 'check_size', 'check_flag', 'check_cou
          'KVCache', 'StaticKVCache', 'TinyGPT', 'generate', 'generate_stream',
          'sample_next', 'repeat_kv', 'window_mask', 'rope_angles', 'apply_rope',
          'causal', 'sliding_window', 'key_padding', 'documents', 'and_masks',
-         'or_masks', 'dense_mask', 'AttentionExplorer', 'package_attention']
+         'or_masks', 'dense_mask', 'attention_kernel', 'tiled_attention',
+         'AttentionExplorer', 'package_attention']

@@ -4,9 +4,10 @@
 
 # %% auto #0
 __all__ = ['EMPTY', 'PARTIAL', 'FULL', 'FLEX_MODES', 'FLEX_MIN_TOKENS', 'FLEX_SHORTEST', 'FLEX_BLOCK_MASKS', 'RUNS_MIN_TOKENS',
-           'RUNS_MAX', 'RUN_WORTH', 'FLEX_RECOMPILE_LIMIT', 'causal', 'sliding_window', 'key_padding', 'documents',
-           'document_positions', 'and_masks', 'or_masks', 'dense_mask', 'TileMask', 'block_mask', 'flex_mode',
-           'pick_kernel', 'flex_attend', 'VarlenRuns', 'varlen_runs', 'varlen_attend', 'Unpadded', 'unpad']
+           'RUNS_MAX', 'RUN_WORTH', 'BLOCK_MIN_PAIRS', 'KERNELS', 'FLEX_RECOMPILE_LIMIT', 'causal', 'sliding_window',
+           'key_padding', 'documents', 'document_positions', 'and_masks', 'or_masks', 'dense_mask', 'TileMask',
+           'block_mask', 'flex_mode', 'attention_kernel', 'pick_kernel', 'flex_attend', 'VarlenRuns', 'varlen_runs',
+           'varlen_attend', 'Unpadded', 'unpad']
 
 # %% ../nbs/10_masks.ipynb #m19c0002
 import collections
@@ -14,6 +15,7 @@ import functools
 import importlib.util
 import inspect
 import math
+import numbers
 import threading
 import warnings
 import contextlib
@@ -29,6 +31,7 @@ from .causal import check_context
 from .multihead import MultiHeadAttention
 from .generation import TinyGPT, TransformerBlock, _check_cache
 from .decoding import _limit_name, _runs_in_rows
+from .modern import repeat_kv
 
 # %% ../nbs/10_masks.ipynb #m19c0007
 def causal(b, h, q_idx, kv_idx):
@@ -219,12 +222,15 @@ FLEX_SHORTEST = {'cpu': 128}  # 'compiled' too: torch 2.13's compiled CPU kernel
 FLEX_BLOCK_MASKS = 32  # block masks kept, the least recently used given up first
 RUNS_MIN_TOKENS, RUNS_MAX = 1024, 256  # a CPU attends run by run: from, at most
 RUN_WORTH = 2 ** 14  # and at most n² / RUN_WORTH runs of n tokens: a call must pay
+BLOCK_MIN_PAIRS = 2048 ** 2  # a score function without Flex: tiled from T x S pairs
+KERNELS = ('sdpa', 'varlen', 'flex', 'flex_eager', 'dense', 'block', 'explicit')
 _modes = threading.local()  # each thread its own flex_mode ('auto' until it sets one)
 _flex = {'compiled': None, 'block_masks': collections.OrderedDict(),
          'last': (None, (), None, None),  # the last per-batch block mask
          'lock': threading.Lock()}
 
 def _current_mode() -> str: return getattr(_modes, 'mode', 'auto')  # this thread's
+def _forced_kernel() -> str|None: return getattr(_modes, 'kernel', None)  # this thread
 
 @contextlib.contextmanager
 def flex_mode(
@@ -237,6 +243,17 @@ def flex_mode(
     try: yield
     finally: _modes.mode = before
 
+@contextlib.contextmanager
+def attention_kernel(
+    kernel:str|None, # one of KERNELS; None: pick_kernel chooses
+):
+    "In the `with` block, in this thread, the fused path takes `kernel` or refuses."
+    if kernel is not None and kernel not in KERNELS:
+        raise ValueError(f"kernel must be None or one of {KERNELS}; got {kernel!r}")
+    before, _modes.kernel = _forced_kernel(), kernel
+    try: yield
+    finally: _modes.kernel = before
+
 # %% ../nbs/10_masks.ipynb #m19c0033
 def pick_kernel(
     device_type:str, # 'cpu' or 'cuda'
@@ -246,9 +263,11 @@ def pick_kernel(
     dropout:float, # dropout probability on the weights (0 in eval)
     runs_only:bool=False, # the mask only cuts rows into runs: padding, documents
     half:bool=False, # float16 or bfloat16 (what flash-attention kernels take)
-) -> str: # 'sdpa', 'varlen', 'flex', 'flex_eager' or 'dense'
-    "The fastest correct kernel for a mask: see the table above."
-    if not masked: return 'sdpa'
+    scored:bool=False, # a score function changes the scores (score_mod, a soft cap)
+) -> str: # one of KERNELS
+    "The fastest correct kernel for a mask and a score function: see the table above."
+    if not masked and not scored: return 'sdpa'
+    runs_only = runs_only and not scored  # a run's kernel takes no score function
     if (device_type == 'cuda' and runs_only and half and not dropout
             and importlib.util.find_spec('torch.nn.attention.varlen')): return 'varlen'
     mode = _current_mode()
@@ -262,7 +281,9 @@ def pick_kernel(
     least = (FLEX_SHORTEST.get(device_type, 0) if mode == 'compiled'
              else FLEX_MIN_TOKENS.get(device_type, math.inf))  # 'auto'
     if usable and num_tokens >= least: return 'flex'
-    return 'dense'
+    if not scored: return 'dense'  # SDPA with the dense mask
+    large = num_tokens * num_keys >= BLOCK_MIN_PAIRS  # the tiled kernel of the next
+    return 'block' if large and not dropout else 'explicit'  # page, with a backward
 
 # %% ../nbs/10_masks.ipynb #m19c0036
 def _share_across_blocks(
@@ -509,10 +530,12 @@ def _check_document_ids(
 def _mask_mod(self:MultiHeadAttention,
               key_padding_mask:Tensor|None=None, # bool (b, num_tokens), True = padding
               document_ids:Tensor|None=None, # int (b, num_tokens): packed documents
+              mask_mod:Callable|None=None, # the caller's, in place of causal or window
              ): # the predicate (b, h, q_idx, kv_idx) -> True = attend; None: no mask
-    "The module's mask as one predicate: causal or a window, padding, documents."
-    mods = []
-    if self.causal: mods.append(sliding_window(self.window) if self.window else causal)
+    "The module's mask as one predicate: causal, a window or yours; padding; documents."
+    mods = [] if mask_mod is None else [mask_mod]
+    if mask_mod is None and self.causal:
+        mods.append(sliding_window(self.window) if self.window else causal)
     if key_padding_mask is not None: mods.append(key_padding(key_padding_mask))
     if document_ids is not None: mods.append(documents(document_ids))
     return and_masks(*mods) if mods else None
@@ -523,13 +546,68 @@ def _allowed(self:MultiHeadAttention,
              num_keys:int,   # keys
              key_padding_mask:Tensor|None=None, # bool (b, num_keys), True = padding
              document_ids:Tensor|None=None, # int (b, num_keys): packed documents
+             mask_mod:Callable|None=None, # the caller's: see _mask_mod
+             batch:int=1, # rows a mask_mod of the caller's is asked about
             ) -> Tensor|None: # bool (b | 1, 1, T, num_keys), True = attend; or None
     "Where each query may attend: the module's predicate, asked about every pair."
-    mask_mod = self._mask_mod(key_padding_mask, document_ids)
-    if mask_mod is None: return None
+    predicate = self._mask_mod(key_padding_mask, document_ids, mask_mod)
+    if predicate is None: return None
     rows = [t.shape[0] for t in (key_padding_mask, document_ids) if t is not None]
-    return dense_mask(mask_mod, num_tokens, num_keys, (rows or [1])[0],
+    rows = batch if mask_mod is not None else (rows or [1])[0]
+    return dense_mask(predicate, num_tokens, num_keys, rows,
                       device=self.W_query.weight.device)
+
+# %% ../nbs/10_masks.ipynb #sc0re002
+def _tile_index(
+    attn_scores:Tensor, # scores, (..., T, S) or a tile of them (..., bq, bk)
+    q0:int, k0:int,     # the positions of its first query and first key
+) -> tuple: # b, h, q_idx, kv_idx: integer tensors broadcastable to the scores
+    "The indices a score function is given, as FlexAttention gives them to score_mod."
+    *lead, num_q, num_k = attn_scores.shape
+    arange = functools.partial(torch.arange, device=attn_scores.device)
+    if len(lead) < 2: b = h = arange(1)[0]         # no batch and head axes: 0 and 0
+    else: b, h = arange(lead[-2])[:, None, None, None], arange(lead[-1])[:, None, None]
+    return b, h, arange(q0, q0 + num_q)[:, None], arange(k0, k0 + num_k)[None]
+
+@patch
+def _score_mod(self:MultiHeadAttention,
+               score_mod:Callable|None=None, # yours: (s, b, h, q_idx, kv_idx) -> s
+              ) -> Callable|None: # what changes the scaled scores; None: nothing
+    "The score function of a call: the caller's (a later module adds its own)."
+    return score_mod
+
+@patch
+def _scale(self:MultiHeadAttention) -> float: # c in softmax(c q·k)
+    "The scale of the scores: 1/sqrt(head_dim), what every kernel applies."
+    return 1 / math.sqrt(self.head_dim)
+
+@patch
+def _softmax(self:MultiHeadAttention, attn_scores:Tensor) -> Tensor: # (..., T, S)
+    "Softmax over the keys; a query with no key at all gets zeros."
+    return torch.softmax(attn_scores, dim=-1).nan_to_num(0.0)
+
+@patch
+def _attend_explicit(self:MultiHeadAttention,
+                     queries:Tensor, # (b, num_heads, num_tokens, head_dim)
+                     keys:Tensor,    # (b, num_kv_heads, num_keys, head_dim)
+                     values:Tensor,  # (b, num_kv_heads, num_keys, head_dim)
+                     allowed:Tensor|None=None, # (b | 1, 1, T, keys); None: _allowed
+                     score_mod:Callable|None=None, # the caller's: see _score_mod
+                    ) -> tuple: # context (b, heads, T, hd), weights (b, heads, T, keys)
+    "Scores, scaled, changed by the score function, masked; softmax, dropout, sum."
+    group_size = self.num_heads // self.num_kv_heads  # GQA: kv head g serves a group
+    keys, values = repeat_kv(keys, group_size), repeat_kv(values, group_size)
+    (T, S), score_mod = (queries.shape[2], keys.shape[2]), self._score_mod(score_mod)
+    if allowed is None: allowed = self._allowed(T, S)
+    half = queries.dtype in (torch.float16, torch.bfloat16)  # scores in float32 then,
+    work = torch.float32 if half else queries.dtype          # as SDPA's kernels do
+    attn_scores = (queries.to(work) @ keys.to(work).transpose(2, 3)  # (b, h, T, S)
+                   / math.sqrt(self.head_dim))
+    if score_mod is not None:  # the queries are the last T of the S positions
+        attn_scores = score_mod(attn_scores, *_tile_index(attn_scores, S - T, 0))
+    if allowed is not None: attn_scores = attn_scores.masked_fill(~allowed, -torch.inf)
+    attn_weights = self.dropout(self._softmax(attn_scores)).to(values.dtype)
+    return attn_weights @ values, attn_weights           # (b, heads, T, head_dim)
 
 # %% ../nbs/10_masks.ipynb #fa1e9496
 _varlen = {'last': ((), None, None)}  # the runs of the last shared copies
@@ -555,7 +633,9 @@ def _runs(key_padding_mask:Tensor|None, document_ids:Tensor|None) -> VarlenRuns|
     return runs
 
 def _cpu_runs(key_padding_mask:Tensor|None, document_ids:Tensor|None,
-              window:int|None) -> VarlenRuns|None: # None: not one call per run
+              window:int|None, # a window over a row padding splits: no runs
+              forced:bool=False, # attention_kernel asks for runs: take any number
+             ) -> VarlenRuns|None: # None: not one call per run
     "The runs, if one call each pays: few, and not a window over a row padding splits."
     if window is not None and key_padding_mask is not None and (  # packed, distances
             torch.compiler.is_compiling() or not _gapless(key_padding_mask)):  # move
@@ -563,27 +643,75 @@ def _cpu_runs(key_padding_mask:Tensor|None, document_ids:Tensor|None,
     runs = _runs(key_padding_mask, document_ids)
     if runs is None: return None                     # a document comes back
     count, n = len(runs.cu_seqlens) - 1, int(runs.cu_seqlens[-1])
-    return runs if count <= min(RUNS_MAX, n * n // RUN_WORTH) else None
+    return runs if forced or count <= min(RUNS_MAX, n * n // RUN_WORTH) else None
 
 def _each_run(queries:Tensor, keys:Tensor, values:Tensor, # (b, heads, T, head_dim)
               key_padding_mask:Tensor|None, document_ids:Tensor|None, # the runs
               window:int|None, # the module's window: padding must not split a row
               attend:Callable, # attention on one run, (1, heads, L, head_dim) each
+              forced:bool=False, # attention_kernel asks for runs: see _cpu_runs
              ) -> Tensor|None: # (b, heads, T, head_dim); None: not in runs
     "Each run alone through `attend`; None where `_cpu_runs` says no."
-    runs = _cpu_runs(key_padding_mask, document_ids, window)
+    runs = _cpu_runs(key_padding_mask, document_ids, window, forced)
     if runs is None: return None
     return _in_runs(queries, keys, values, runs, lambda q, k, v: _by_run(
         q, k, v, runs.cu_seqlens.tolist(), attend))
 
 @patch
 def _pick(self:MultiHeadAttention, queries:Tensor, num_keys:int,
-          runs_only:bool) -> str: # pick_kernel's answer
+          runs_only:bool, scored:bool=False) -> str: # pick_kernel's answer
     "`pick_kernel` for these queries, with this module's dropout."
     return pick_kernel(queries.device.type, True, queries.shape[2], num_keys,
                        queries.requires_grad, self.dropout.p if self.training else 0.0,
-                       runs_only, half=queries.dtype in (torch.float16, torch.bfloat16))
+                       runs_only, queries.dtype in (torch.float16, torch.bfloat16),
+                       scored)
 
+def _refuse(kernel:str, why:str):
+    "attention_kernel asked for a kernel that cannot take this call: say why."
+    raise ValueError(f"attention_kernel({kernel!r}) cannot take this call: {why}")
+
+_said = set()  # the warnings given, once each per process
+
+def _say_once(key:tuple, message:str) -> None:
+    "Warn once per process, not once per block of a model and per call."
+    if key in _said or torch.compiler.is_compiling(): return
+    _said.add(key)
+    warnings.warn(message, stacklevel=4)
+
+def _everywhere(b, h, q_idx, kv_idx): return q_idx >= 0  # no mask: every pair
+
+@patch
+def _attend_flex(self:MultiHeadAttention, queries, keys, values, key_padding_mask,
+                 document_ids, compiled:bool, mask_mod=None, # the caller's, or None
+                 score_mod=None) -> Tensor: # (b, h, T, hd)
+    "FlexAttention with the call's predicate and score function; blocks share masks."
+    if queries.requires_grad and not queries.is_cuda:
+        _refuse('flex', "FlexAttention has no backward pass on a CPU")
+    if self.training and self.dropout.p: _refuse('flex', "FlexAttention drops nothing")
+    plain = key_padding_mask is None and document_ids is None
+    form = (None if mask_mod is not None else  # yours: built for this call only
+            ('window', self.causal, self.window) if plain else
+            ('batch', self.causal, self.window))
+    predicate = self._mask_mod(key_padding_mask, document_ids, mask_mod)
+    return flex_attend(queries, keys, values, predicate or _everywhere, form,
+                       compiled=compiled, score_mod=self._score_mod(score_mod),
+                       reads=() if plain else (key_padding_mask, document_ids))
+
+@patch
+def _attend_unfused(self:MultiHeadAttention, queries, keys, values, # (b, h|kv, T, hd)
+                    key_padding_mask, document_ids, mask_mod, score_mod, # the call's
+                    kernel:str, # 'block' or 'explicit'
+                   ) -> Tensor: # (b, heads, T, head_dim)
+    "The explicit path, for what no fused kernel takes; a large call says so once."
+    (b, _, T, _), S = queries.shape, keys.shape[2]
+    if T * S >= BLOCK_MIN_PAIRS and not _forced_kernel():
+        _say_once(('explicit', 'dropout'), f"attention took the 'explicit' path: a "
+                  f"score function with dropout goes to no fused kernel, so the scores "
+                  f"of {T} x {S} pairs per head are held in memory")
+    allowed = self._allowed(T, S, key_padding_mask, document_ids, mask_mod, b)
+    return self._attend_explicit(queries, keys, values, allowed, score_mod)[0]
+
+# %% ../nbs/10_masks.ipynb #d15patch
 @patch
 def _attend_masked(self:MultiHeadAttention,
                    queries:Tensor, # (b, num_heads, num_tokens, head_dim)
@@ -591,40 +719,47 @@ def _attend_masked(self:MultiHeadAttention,
                    values:Tensor,  # (b, num_kv_heads, num_tokens, head_dim)
                    key_padding_mask:Tensor|None=None, # bool (b, T), True = padding
                    document_ids:Tensor|None=None, # int (b, T): packed documents
+                   mask_mod:Callable|None=None, # yours, in place of causal or window
+                   score_mod:Callable|None=None, # yours, on the scaled scores
                   ) -> Tensor: # context, (b, num_heads, num_tokens, head_dim)
-    "The fused path on a whole sequence, by the fastest kernel for its mask."
-    plain = key_padding_mask is None and document_ids is None
-    if plain and self.window is None:  # causal or nothing: SDPA's flag, no mask
-        return self._attend_fused(queries, keys, values)
-    num_tokens = queries.shape[2]
-    by_run = _cuts_into_runs(self.window, key_padding_mask, document_ids, queries)
-    choice = self._pick(queries, num_tokens, runs_only=by_run and self.window is None)
-    if choice == 'dense' and by_run:  # a window too: runs cost less than the mask
-        choice = self._pick(queries, num_tokens, runs_only=True)
-    if choice == 'varlen':  # the real tokens, packed, in runs
+    "The fused path on a whole sequence: one choice of kernel, for mask and scores."
+    T, forced = queries.shape[2], _forced_kernel()
+    own = self._score_mod() is not None           # the module's own: reads the score
+    scored = own or score_mod is not None
+    padded = key_padding_mask is not None or document_ids is not None
+    if not (forced or padded or scored or mask_mod or self.window):  # causal or none:
+        return self._attend_fused(queries, keys, values)  # SDPA's flag, no mask
+    by_run = (mask_mod is None and score_mod is None and
+              _cuts_into_runs(self.window, key_padding_mask, document_ids, queries))
+    choice = forced or self._pick(queries, T, by_run and self.window is None, scored)
+    if (not forced and by_run and choice in ('dense', 'block', 'explicit')
+            and not (own and queries.is_cuda)     # runs cost less than the mask
+            and self._pick(queries, T, runs_only=True) == 'varlen'): choice = 'varlen'
+    if choice == 'varlen' and by_run and own:     # the cap, on each run alone
+        explicit = lambda q, k, v: self._attend_explicit(q, k, v)[0]
+        context = _each_run(queries, keys, values, key_padding_mask, document_ids,
+                            self.window, explicit, bool(forced))
+        if context is not None: return context
+    elif choice == 'varlen' and by_run:           # the real tokens, packed, in runs
         runs = (_runs(key_padding_mask, document_ids) if queries.is_cuda else
-                _cpu_runs(key_padding_mask, document_ids, self.window))
+                _cpu_runs(key_padding_mask, document_ids, self.window, bool(forced)))
         if runs is not None:
             return varlen_attend(queries, keys, values, key_padding_mask,
                                  self.causal, document_ids, runs, self.window)
-        choice = self._pick(queries, num_tokens, runs_only=False)  # see _cpu_runs
-    if choice != 'dense':   # FlexAttention: tiles skipped, no dense mask
-        return self._attend_flex(queries, keys, values, key_padding_mask,
-                                 document_ids, compiled=choice == 'flex')
-    allowed = self._allowed(num_tokens, num_tokens, key_padding_mask, document_ids)
+    if choice == 'varlen':  # no runs here: _cpu_runs says why
+        if forced: _refuse(forced, "runs take padding and documents, no mask_mod or "
+                                   "score_mod, and a window only over gapless rows")
+        choice = self._pick(queries, T, runs_only=False, scored=scored)
+    if choice.startswith('flex'):  # FlexAttention: tiles skipped, no dense mask
+        return self._attend_flex(queries, keys, values, key_padding_mask, document_ids,
+                                 choice == 'flex', mask_mod, score_mod)
+    if choice in ('block', 'explicit'):  # the scores: tile by tile, or all at once
+        return self._attend_unfused(queries, keys, values, key_padding_mask,
+                                    document_ids, mask_mod, score_mod, choice)
+    if scored: _refuse(choice, "SDPA takes no score function")
+    allowed = self._allowed(T, T, key_padding_mask, document_ids, mask_mod,
+                            queries.shape[0])
     return self._attend_fused(queries, keys, values, allowed)  # SDPA, the dense mask
-
-@patch
-def _attend_flex(self:MultiHeadAttention, queries, keys, values, key_padding_mask,
-                 document_ids, compiled:bool, score_mod=None,
-                 mask_mod=None) -> Tensor: # (b, h, T, hd); mask_mod: if built already
-    "FlexAttention with the module's predicate; the blocks share the batch's mask."
-    plain = key_padding_mask is None and document_ids is None
-    form = ('window', self.window) if plain else ('batch', self.causal, self.window)
-    if mask_mod is None: mask_mod = self._mask_mod(key_padding_mask, document_ids)
-    return flex_attend(queries, keys, values, mask_mod, form,
-                       compiled=compiled, score_mod=score_mod,
-                       reads=() if plain else (key_padding_mask, document_ids))
 
 # %% ../nbs/10_masks.ipynb #e3f2a6f4
 def _check_fits(
@@ -642,6 +777,21 @@ def _check_fits(
         raise ValueError(f"the longest document has {longest} tokens but the module "
                          f"was built with context_length={context_length}")
 
+def _check_mods(mask_mod, score_mod, scale, cache) -> None:
+    "Functions or None; a scale > 0 or None; a mask or score function, no cache."
+    for f, name, form in [(mask_mod, 'mask_mod', '(b, h, q_idx, kv_idx) -> bool'),
+                          (score_mod, 'score_mod', '(score, b, h, q_idx, kv_idx)')]:
+        if f is not None and not callable(f):
+            raise TypeError(f"{name} must be None or a function {form}; "
+                            f"got {type(f).__name__}")
+    if scale is not None and (isinstance(scale, bool) or not
+                              isinstance(scale, numbers.Real) or not scale > 0):
+        raise ValueError(f"scale must be None or a number > 0; got {scale!r}")
+    if cache is not None and (mask_mod is not None or score_mod is not None):
+        raise ValueError("mask_mod and score_mod apply to whole sequences (training, "
+                         "scoring); with a cache, the cache's own mask holds: call "
+                         "without them, or without the cache")
+
 @patch
 def forward(self:MultiHeadAttention,
             x:Tensor, # tokens, (num_tokens, d_in) or (batch, num_tokens, d_in)
@@ -649,13 +799,16 @@ def forward(self:MultiHeadAttention,
             return_attn_weights:bool=False, # explicit path; also return the weights
             cache=None, # a KVCache or StaticKVCache: x holds only the new tokens
             document_ids:Tensor|None=None, # int, x.shape[:-1]: packed documents
+            mask_mod:Callable|None=None, # (b, h, q_idx, kv_idx) -> bool: not causal
+            score_mod:Callable|None=None, # (score, b, h, q_idx, kv_idx) -> score
+            scale:float|None=None, # c in softmax(c q·k); None: the module's
            ) -> Tensor: # context vectors (..., num_tokens, d_out) [and the weights]
     "Project `x`, split into heads, attend, merge the heads, mix them (`out_proj`)."
-    _check_document_ids(document_ids, x)
+    _check_document_ids(document_ids, x); _check_mods(mask_mod, score_mod, scale, cache)
     if document_ids is not None and x.dim() == 2: document_ids = document_ids[None]
     x, key_padding_mask, unbatched = self._inputs(x, key_padding_mask,
                                                   return_attn_weights)
-    num_tokens = x.shape[1]
+    (b, num_tokens), allowed = x.shape[:2], None
     if cache is not None:
         _check_cache(cache); cache.check_new_tokens(x, key_padding_mask, self)
     elif not getattr(document_ids, '_shared_across_blocks', False):  # model: checked
@@ -668,17 +821,22 @@ def forward(self:MultiHeadAttention,
     elif self.rope and document_ids is not None:  # each document starts again at 0
         positions = document_positions(document_ids)                  # (b, T)
     queries, keys, values = self._project(x, positions)  # (b, heads | kv, T, hd)
+    if scale is not None: queries = queries * (scale / self._scale())  # c, not c0
     if cache is not None:  # the keys in reach, and the cache's own mask
         keys, values, allowed = cache.update(keys, values, self)
-    if not return_attn_weights:  # fused; a cache's mask leaves each query a key
-        context = (self._attend_fused(queries, keys, values, allowed, every_row=True)
-                   if cache is not None else self._attend_masked(
-                       queries, keys, values, key_padding_mask, document_ids))
-        out = self.out_proj(self._merge_heads(context))          # (b, T, d_out)
-        return out[0] if unbatched else out
-    if cache is None:
-        allowed = self._allowed(num_tokens, num_tokens, key_padding_mask, document_ids)
-    return self._finish(queries, keys, values, allowed, True, unbatched)
+    if return_attn_weights:  # the explicit path, and its weights
+        if cache is None: allowed = self._allowed(num_tokens, num_tokens,
+                                                  key_padding_mask, document_ids,
+                                                  mask_mod, b)
+        context, weights = self._attend_explicit(queries, keys, values, allowed,
+                                                 score_mod)
+    elif cache is not None:  # fused; a cache's mask leaves each query a key
+        context = self._attend_fused(queries, keys, values, allowed, every_row=True)
+    else: context = self._attend_masked(queries, keys, values, key_padding_mask,
+                                        document_ids, mask_mod, score_mod)
+    out = self.out_proj(self._merge_heads(context))          # (b, T, d_out)
+    if return_attn_weights: return (out[0], weights[0]) if unbatched else (out, weights)
+    return out[0] if unbatched else out
 
 # %% ../nbs/10_masks.ipynb #15ed15b8
 @patch
@@ -686,10 +844,11 @@ def forward(self:TransformerBlock,
             x:Tensor,   # token vectors, (b, num_tokens, d_model)
             cache=None, # this block's cache, when generating
             document_ids:Tensor|None=None, # int (b, num_tokens): packed documents
+            **mods, # mask_mod, score_mod, scale: for the attention (its forward)
            ) -> Tensor: # (b, num_tokens, d_model)
-    "The block of Generation, with packed documents."
+    "The block of Generation, with packed documents and your mask or scores."
     check_tokens(x, self.attn.d_in, self.attn.W_query.weight.dtype)
-    x = x + self.attn(self.norm1(x), cache=cache, document_ids=document_ids)
+    x = x + self.attn(self.norm1(x), cache=cache, document_ids=document_ids, **mods)
     return x + self.mlp(self.norm2(x))                 # (b, num_tokens, d_model)
 
 @patch
@@ -697,6 +856,7 @@ def forward(self:TinyGPT,
             token_ids:Tensor, # (b, num_tokens): all tokens, or only the new ones
             caches:list|None=None, # from `new_caches`: token_ids are the new tokens
             document_ids:Tensor|None=None, # int (b, T): packed documents, no cache
+            **mods, # mask_mod, score_mod, scale: for every block's attention
            ) -> Tensor: # next-token logits, (b, num_tokens, vocab_size)
     "Scores for the token that follows each position; packed documents apart."
     if document_ids is None: self._check_call(token_ids, caches)
@@ -722,7 +882,7 @@ def forward(self:TinyGPT,
     if self.pos_emb is not None: x = x + self.pos_emb(positions)
     document_ids = _share_across_blocks(document_ids)  # one block mask for all
     for i, block in enumerate(self.blocks):
-        x = block(x, None if caches is None else caches[i], document_ids)
+        x = block(x, None if caches is None else caches[i], document_ids, **mods)
     return self.head(self.norm(x))                           # (b, T, vocab_size)
 
 # %% ../nbs/10_masks.ipynb #2af85862

@@ -26,11 +26,13 @@ from .causal import causal_mask, check_context, check_dropout
 from .multihead import MultiHeadAttention
 from .generation import TinyGPT, TransformerBlock, _check_cache
 from .decoding import project
+from .masks import _check_mods, _refuse, block_mask, causal, dense_mask
 from .modern import _shared_table, rope_rotate
 from .recent import (LAYER_TYPES, RESCALINGS, LlamaAttention,
                                    _rope_cos_sin, check_rope_scaling, check_yarn,
                                    layer_windows, rope_frequencies, soft_cap,
                                    yarn_frequencies, yarn_mscale)
+from .tiled import tiled_attention
 _all_ = ["check_yarn", "yarn_frequencies", "yarn_mscale"]  # here since they moved
 
 # %% ../nbs/13_pretrained.ipynb #7d00dff3
@@ -57,10 +59,12 @@ class GPT2Block(TransformerBlock):
                 x:Tensor,   # token vectors, (b, num_tokens, d_model)
                 cache=None, # this block's KVCache, when generating
                 document_ids:Tensor|None=None, # int (b, num_tokens): packed documents
+                **mods, # mask_mod, score_mod, scale: for the attention (its forward)
                ) -> Tensor: # (b, num_tokens, d_model)
         "TransformerBlock's: attend, add; transform, add; with GPT-2's dropouts."
         x = self.drop_input(x)
-        attended = self.attn(self.norm1(x), cache=cache, document_ids=document_ids)
+        attended = self.attn(self.norm1(x), cache=cache, document_ids=document_ids,
+                             **mods)
         x = x + self.drop(attended)                    # (b, num_tokens, d_model)
         return x + self.drop(self.mlp(self.norm2(x)))  # (b, num_tokens, d_model)
 
@@ -138,9 +142,11 @@ class LlamaBlock(nn.Module):
                 x:Tensor,   # token vectors, (b, num_tokens, d_model)
                 cache=None, # this block's KVCache, when generating
                 document_ids:Tensor|None=None, # int (b, num_tokens): packed documents
+                **mods, # mask_mod, score_mod, scale: for the attention (its forward)
                ) -> Tensor: # (b, num_tokens, d_model)
         "Attend to the earlier tokens, then transform each token; add both to `x`."
-        attended = self.attn(self.norm1(x), cache=cache, document_ids=document_ids)
+        attended = self.attn(self.norm1(x), cache=cache, document_ids=document_ids,
+                             **mods)
         x = x + attended                               # (b, num_tokens, d_model)
         return x + self.mlp(self.norm2(x))             # (b, num_tokens, d_model)
 
@@ -567,9 +573,11 @@ class GemmaBlock(nn.Module):
                 x:Tensor,   # token vectors, (b, num_tokens, d_model)
                 cache=None, # this block's KVCache, when generating
                 document_ids:Tensor|None=None, # int (b, num_tokens): packed documents
+                **mods, # mask_mod, score_mod, scale: for the attention (its forward)
                ) -> Tensor: # (b, num_tokens, d_model)
         "Attend, norm, add; transform, norm, add."
-        attended = self.attn(self.norm1(x), cache=cache, document_ids=document_ids)
+        attended = self.attn(self.norm1(x), cache=cache, document_ids=document_ids,
+                             **mods)
         x = x + self.post_attn_norm(attended)             # (b, num_tokens, d_model)
         return x + self.post_mlp_norm(self.mlp(self.norm2(x)))
 
@@ -611,9 +619,9 @@ class Gemma(TinyGPT):
         self.final_softcap = final_softcap
 
     def forward(self, token_ids:Tensor, caches:list|None=None,
-                document_ids:Tensor|None=None) -> Tensor: # (b, T, vocab_size)
-        "TinyGPT's forward, then the logits capped (Gemma 2)."
-        logits = super().forward(token_ids, caches, document_ids)
+                document_ids:Tensor|None=None, **mods) -> Tensor: # (b, T, vocab_size)
+        "TinyGPT's forward (mods: mask_mod, score_mod, scale), then the logits capped."
+        logits = super().forward(token_ids, caches, document_ids, **mods)
         if self.final_softcap is None: return logits
         return soft_cap(logits, self.final_softcap)
 
@@ -776,18 +784,33 @@ class LatentAttention(nn.Module):
         d_c, wide = self.kv_rank, self.nope_dim + self.v_dim
         return T * S * (2 * d_c - wide) < d_c * wide * (S - T)
 
+    def _scored(self, queries, keys, values, mask_mod, score_mod, scale) -> Tensor:
+        "A score function: the tiled kernel, mask_mod (or causal) as its block mask."
+        if self.training and self.dropout: _refuse('block', "the tiled kernel drops "
+                                                            "no weights")
+        (b, _, T, _), S = queries.shape, keys.shape[2]   # no cache here: T == S
+        tiles = block_mask(causal if mask_mod is None else mask_mod, T, S, 64,
+                           1 if mask_mod is None else b, device=queries.device)
+        return tiled_attention(queries, keys, values, block_mask=tiles,
+                               score_mod=score_mod, scale=scale)  # (b, h, T, v_dim)
+
     def forward(self,
                 x:Tensor, # tokens, (b, num_tokens, d_model) or (num_tokens, d_model)
                 cache=None, # a KVCache or StaticKVCache: x holds only the new tokens
                 document_ids=None, # packed documents: not supported here
+                mask_mod=None, # (b, h, q_idx, kv_idx) -> bool: in place of causal
+                score_mod=None, # (score, b, h, q_idx, kv_idx) -> score: the tiled path
+                scale:float|None=None, # c in softmax(c q·k); None: the module's
                ) -> Tensor: # (b, num_tokens, d_model)
         "Queries; the latent and shared key, turned and cached; keys, values; attend."
         if document_ids is not None:
             raise ValueError("LatentAttention attends over one sequence per row: "
                              "document_ids is not supported")
+        _check_mods(mask_mod, score_mod, scale, cache)
         weight = self.W_DKV.weight
         check_tokens(x, self.d_model, weight.dtype, weight.device)
-        if x.dim() == 2: return self(x[None], cache)[0]  # one sequence: a batch of 1
+        if x.dim() == 2:  # one sequence: a batch of 1
+            return self(x[None], cache, None, mask_mod, score_mod, scale)[0]
         b, T, _ = x.shape
         if cache is None: check_context(T, self.context_length)
         else: _check_cache(cache); cache.check_new_tokens(x, None, self)
@@ -807,18 +830,23 @@ class LatentAttention(nn.Module):
         allowed = None
         if cache is not None: latent, allowed = self._cached(cache, latent)
         S = latent.shape[2]
-        if allowed is None and T > 1: allowed = ~causal_mask(T, x.device, S)
+        if mask_mod is not None:  # yours, in place of causal: (b, 1, T, S)
+            allowed = dense_mask(mask_mod, T, S, b, device=x.device)
+        elif allowed is None and T > 1: allowed = ~causal_mask(T, x.device, S)
         dropout = self.dropout if self.training else 0.0
+        scale = self.scale if scale is None else scale
         if cache is not None and self._absorbs(T, S):  # decoding: W_UK, W_UV moved
             context = _attend_latents(queries, latent, self.W_UKV.weight, allowed,
-                                      self.scale, dropout)  # (b, h, T, v_dim)
+                                      scale, dropout)  # (b, h, T, v_dim)
         else:  # prefill, training: every head's keys and values rebuilt, W_UKV c_t
             c, k_rope = latent.split([self.kv_rank, self.rope_dim], dim=-1)
             kv = self.W_UKV(c[:, 0]).view(b, S, self.num_heads, -1).transpose(1, 2)
             k_nope, values = kv.split([self.nope_dim, self.v_dim], dim=-1)
             keys = torch.cat([k_nope, k_rope.expand(-1, self.num_heads, -1, -1)], -1)
-            context = F.scaled_dot_product_attention(  # (b, h, T, v_dim)
-                queries, keys, values, allowed, scale=self.scale, dropout_p=dropout)
+            if score_mod is None: context = F.scaled_dot_product_attention(
+                queries, keys, values, allowed, scale=scale, dropout_p=dropout)
+            else: context = self._scored(queries, keys, values, mask_mod, score_mod,
+                                         scale)                # (b, h, T, v_dim)
         return self.out_proj(context.transpose(1, 2).reshape(b, T, -1))
 
 # %% ../nbs/13_pretrained.ipynb #d8ae4645

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from .core import check_flag, check_size, patch
-from .masks import _cuts_into_runs, _each_run, block_mask
+from .masks import block_mask
 from .multihead import MultiHeadAttention
 from .modern import _shared_table, repeat_kv, rope_rotate
 from .tiled import tiled_attention
@@ -305,63 +305,74 @@ def _project(self:LlamaAttention, x:Tensor, positions:Tensor|None=None) -> tuple
     return rope_rotate(queries, cos, sin), rope_rotate(keys, cos, sin), values
 
 # %% ../nbs/12_recent.ipynb #85167eb4
-@patch
-def _attend_explicit(self:LlamaAttention,
-                     queries:Tensor, # (b, num_heads, num_tokens, head_dim)
-                     keys:Tensor,    # (b, num_kv_heads, num_keys, head_dim)
-                     values:Tensor,  # (b, num_kv_heads, num_keys, head_dim)
-                     allowed:Tensor|None=None, # (b | 1, 1, T, keys); None: _allowed
-                    ) -> tuple: # context (b, heads, T, hd), weights (b, heads, T, keys)
-    "Scores, soft-capped, masked, softmax (with the sinks), dropout, weighted sum."
-    if self.softcap is None and self.sinks is None:
-        return MultiHeadAttention._attend_explicit(self, queries, keys, values, allowed)
-    group_size = self.num_heads // self.num_kv_heads
-    keys, values = repeat_kv(keys, group_size), repeat_kv(values, group_size)
-    if allowed is None: allowed = self._allowed(queries.shape[2], keys.shape[2])
-    half = queries.dtype in (torch.float16, torch.bfloat16)
-    work = torch.float32 if half else queries.dtype
-    scores = queries.to(work) @ keys.to(work).transpose(2, 3) / math.sqrt(self.head_dim)
-    if self.softcap is not None: scores = soft_cap(scores, self.softcap)  # (b,h,T,keys)
-    if allowed is not None: scores = scores.masked_fill(~allowed, -torch.inf)
-    if self.sinks is None:
-        weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # no key at all: zeros
-    else: weights = softmax_with_sink(scores, self.sinks)     # no key: all on the sink
-    weights = self.dropout(weights).to(values.dtype)
-    return weights @ values, weights                         # (b, heads, T, head_dim)
-
 @functools.lru_cache
 def soft_cap_mod(cap:float) -> Callable: # (s, b, h, q_idx, kv_idx) -> cap tanh(s / cap)
     "soft_cap as a score function: one function per cap, so Flex compiles it once."
     def capped(score, b, h, q_idx, kv_idx): return soft_cap(score, cap)
     return capped
 
+@functools.lru_cache(maxsize=64)
+def _then_capped(score_mod:Callable, cap:float) -> Callable: # one per pair, as above
+    "A caller's score function, then the cap, as one score function."
+    def capped(score, b, h, q_idx, kv_idx):
+        return soft_cap(score_mod(score, b, h, q_idx, kv_idx), cap)
+    return capped
+
+@patch
+def _score_mod(self:LlamaAttention, score_mod:Callable|None=None) -> Callable|None:
+    "The caller's score function, then the module's soft cap (Gemma 2)."
+    if self.softcap is None: return score_mod
+    if score_mod is None: return soft_cap_mod(self.softcap)
+    return _then_capped(score_mod, self.softcap)
+
+@patch
+def _scale(self:LlamaAttention) -> float: # c in softmax(c q·k)
+    "query_scale, else 1/sqrt(head_dim)."
+    if self.query_scale is None: return 1 / math.sqrt(self.head_dim)
+    return self.query_scale
+
+@patch
+def _softmax(self:LlamaAttention, attn_scores:Tensor) -> Tensor: # (b, h, T, S)
+    "With sinks, one more logit per head in every denominator; else the softmax."
+    if self.sinks is None: return MultiHeadAttention._softmax(self, attn_scores)
+    return softmax_with_sink(attn_scores, self.sinks)      # no key: all on the sink
+
 SINK_BLOCK = 64  # tokens per tile on the sinks' path
 
 @patch
 def _attend_sunk(self:LlamaAttention, queries, keys, values, key_padding_mask=None,
                  document_ids=None, allowed=None, # a cache's mask (b | 1, 1, T, S)
-                 cached:bool=False) -> Tensor: # (b, heads, T, head_dim)
+                 cached:bool=False, # the keys are a cache's: copied for the backward
+                 mask_mod=None, score_mod=None, # the caller's, as for forward
+                ) -> Tensor: # (b, heads, T, head_dim)
     "Sinks after the tiled kernel's L: masked tiles skipped, no (T, keys) scores."
     (b, _, T, hd), kv, S = queries.shape, self.num_kv_heads, keys.shape[2]
-    group = self.num_heads // kv  # GQA by broadcasting: a head group shares keys
-    queries = queries.unflatten(1, (kv, group)).transpose(0, 1)   # (kv, b, g, T, hd)
+    group = self.num_heads // kv
     if cached and torch.is_grad_enabled():  # a cache writes its storage in place
         keys, values = keys.clone(), values.clone()  # before backward reads these
-    keys, values = (t.transpose(0, 1)[:, :, None]    # (kv, b, 1, S, hd), not copied:
-                    for t in (keys, values))          # the mask's (b, 1) meets (b, g)
+    if score_mod is None:  # GQA by broadcasting: a head group shares its keys
+        queries = queries.unflatten(1, (kv, group)).transpose(0, 1)  # (kv,b,g,T,hd)
+        keys, values = (t.transpose(0, 1)[:, :, None]  # (kv, b, 1, S, hd), no copy:
+                        for t in (keys, values))        # the mask's (b, 1) meets (b, g)
+        heads = lambda t: t.transpose(0, 1).flatten(1, 2)  # (kv, b, g, ..) -> (b, h,..)
+    else:  # a score function of the caller's reads h: each query head in its place
+        keys, values = repeat_kv(keys, group), repeat_kv(values, group)
+        heads = lambda t: t
     plain = (allowed is None and key_padding_mask is None and document_ids is None
-             and self.window is None)   # causal or nothing: the kernel's own flag
+             and mask_mod is None and self.window is None)  # causal or nothing: a flag
     if allowed is not None:  # a cache's own mask, (b | 1, 1, T, S): asked by row
         predicate, q_offset = lambda b, h, q, kv: allowed[b, 0, q, kv], 0
-    else: predicate, q_offset = self._mask_mod(key_padding_mask, document_ids), None
-    rows = (allowed.shape[0] if allowed is not None else b
-            if key_padding_mask is not None or document_ids is not None else 1)
+    else:
+        predicate = self._mask_mod(key_padding_mask, document_ids, mask_mod)
+        q_offset = None
+    per_row = not (key_padding_mask is None and document_ids is None
+                   and mask_mod is None)
+    rows = allowed.shape[0] if allowed is not None else b if per_row else 1
     tiles = None if plain else block_mask(predicate, T, S, SINK_BLOCK, rows,
                                           device=queries.device, q_offset=q_offset)
-    score_mod = None if self.softcap is None else soft_cap_mod(self.softcap)
     context, lse = tiled_attention(queries, keys, values, plain and self.causal,
-                                   SINK_BLOCK, tiles, score_mod, return_lse=True)
-    heads = lambda t: t.transpose(0, 1).flatten(1, 2)    # (kv, b, g, ..) -> (b, h, ..)
+                                   SINK_BLOCK, tiles, self._score_mod(score_mod),
+                                   return_lse=True)
     return sink_after(heads(context), heads(lse), self.sinks)   # (b, heads, T, hd)
 
 @patch
@@ -371,52 +382,34 @@ def _sinks_tiled(self:LlamaAttention, num_tokens:int) -> bool:
     return self.sinks is not None and not dropout and num_tokens > 1
 
 @patch
-def _attend_scored(self:LlamaAttention, queries, keys, values, key_padding_mask=None,
-                   document_ids=None) -> Tensor: # context (b, heads, T, head_dim)
-    "The cap as Flex's score_mod where Flex pays; sinks tiled; the rest, explicit."
-    T, S = queries.shape[2], keys.shape[2]
-    if self._sinks_tiled(T):
-        return self._attend_sunk(queries, keys, values, key_padding_mask, document_ids)
-    choice = self._pick(queries, S, runs_only=False)
-    if ((choice == 'dense' or self.sinks is not None) and not queries.is_cuda and
-            _cuts_into_runs(self.window, key_padding_mask, document_ids, queries)):
-        choice = self._pick(queries, S, runs_only=True)  # each run alone, explicit
-    if choice == 'varlen':
-        explicit = lambda q, k, v: self._attend_explicit(q, k, v)[0]
-        context = _each_run(queries, keys, values, key_padding_mask, document_ids,
-                            self.window, explicit)
-        if context is not None: return context
-        choice = self._pick(queries, S, runs_only=False)  # no runs: _cpu_runs says why
-    mask_mod = self._mask_mod(key_padding_mask, document_ids)
-    if self.sinks is None and mask_mod is not None and choice.startswith('flex'):
-        return self._attend_flex(queries, keys, values, key_padding_mask, document_ids,
-                                 compiled=choice == 'flex', mask_mod=mask_mod,
-                                 score_mod=soft_cap_mod(self.softcap))
-    allowed = self._allowed(T, S, key_padding_mask, document_ids)
-    return self._attend_explicit(queries, keys, values, allowed)[0]
-
-@patch
 def _attend_fused(self:LlamaAttention, queries, keys, values, allowed=None,
                   every_row=False):
-    "SDPA; with a cap or sinks, _attend_scored (a cache's own mask: sinks tiled)."
+    "SDPA; with a cap or sinks: a cache's mask tiled (sinks) or explicit; else masked."
     if self.softcap is None and self.sinks is None:
         return MultiHeadAttention._attend_fused(self, queries, keys, values, allowed,
                                                 every_row)
-    if (allowed is not None or every_row) and self._sinks_tiled(queries.shape[2]):
+    if allowed is None and not every_row:  # a whole sequence: the one choice
+        return self._attend_masked(queries, keys, values)
+    if self._sinks_tiled(queries.shape[2]):
         return self._attend_sunk(queries, keys, values, allowed=allowed,
                                  cached=every_row)
-    if allowed is not None:
-        return self._attend_explicit(queries, keys, values, allowed)[0]
-    return self._attend_scored(queries, keys, values)
+    return self._attend_explicit(queries, keys, values, allowed)[0]
 
 @patch
 def _attend_masked(self:LlamaAttention, queries, keys, values, key_padding_mask=None,
-                   document_ids=None):
-    "The fastest kernel for the mask; with a cap or sinks, _attend_scored."
-    if self.softcap is None and self.sinks is None:
+                   document_ids=None, mask_mod=None, score_mod=None):
+    "Sinks: the tiled kernel and its L (explicit under dropout); else the one choice."
+    if self.sinks is None:
         return MultiHeadAttention._attend_masked(self, queries, keys, values,
-                                                 key_padding_mask, document_ids)
-    return self._attend_scored(queries, keys, values, key_padding_mask, document_ids)
+                                                 key_padding_mask, document_ids,
+                                                 mask_mod, score_mod)
+    if self._sinks_tiled(queries.shape[2]):
+        return self._attend_sunk(queries, keys, values, key_padding_mask, document_ids,
+                                 mask_mod=mask_mod, score_mod=score_mod)
+    T = queries.shape[2]
+    allowed = self._allowed(T, T, key_padding_mask, document_ids, mask_mod,
+                            queries.shape[0])
+    return self._attend_explicit(queries, keys, values, allowed, score_mod)[0]
 
 # %% ../nbs/12_recent.ipynb #0f8ffeb7
 LAYER_TYPES = ("full_attention", "sliding_attention")

@@ -30,6 +30,11 @@ from selfattn_nbdev.training import (VOCAB, BankSenseClassifier, accuracy, check
 
 torch.manual_seed(0)
 X = torch.randn(2, 5, 4)                      # (batch, num_tokens, d_in)
+
+
+def _forced(kernel, **mods):
+    "A module call with gradients under attention_kernel(kernel)."
+    with M.attention_kernel(kernel): return MultiHeadAttention(4, 8, 8)(X, **mods)
 TOK = CharTokenizer('abc de')
 GPT = TinyGPT(len(TOK), context_length=16, d_model=8, num_heads=2, num_layers=1)
 IDS, LABELS, POS = make_bank_sentences(6, seed=0)
@@ -226,6 +231,20 @@ CASES = {
     'apply_rope base zero': (lambda: apply_rope(torch.ones(5, 4), torch.arange(5), base=0), ValueError,
                              ['base', 'got 0']),
     # --- how fused attention is fast
+    'tiled_attention scale': (lambda: tiled_attention(Q, Q, Q, scale=-1.0), ValueError, ['scale', '-1.0']),
+    'attention_kernel name': (lambda: M.attention_kernel('fast').__enter__(), ValueError, ['kernel', "'fast'"]),
+    'MHA mask_mod': (lambda: MultiHeadAttention(4, 8, 8)(X, mask_mod='causal'), TypeError, ['mask_mod', 'str']),
+    'MHA score_mod': (lambda: MultiHeadAttention(4, 8, 8)(X, score_mod=3), TypeError, ['score_mod', 'int']),
+    'MHA scale': (lambda: MultiHeadAttention(4, 8, 8)(X, scale=0), ValueError, ['scale', '0']),
+    'MHA scale bool': (lambda: MultiHeadAttention(4, 8, 8)(X, scale=True), ValueError, ['scale', 'True']),
+    'MHA mask_mod cache': (lambda: MultiHeadAttention(4, 8, 8)(X, mask_mod=M.causal, cache=KVCache()), ValueError,
+                           ['mask_mod', 'cache']),
+    'attention_kernel dense score': (lambda: _forced('dense', score_mod=lambda s, b, h, q, k: s), ValueError,
+                                     ["'dense'", 'score function']),
+    'attention_kernel flex backward': (lambda: _forced('flex_eager', mask_mod=M.causal), ValueError,
+                                       ["'flex'", 'backward']),
+    'attention_kernel varlen mask_mod': (lambda: _forced('varlen', mask_mod=M.causal), ValueError,
+                                         ["'varlen'", 'mask_mod']),
     'tiled queries list': (lambda: tiled_attention([1.0], Q, Q), (TypeError, ValueError), ['queries']),
     'tiled int queries': (lambda: tiled_attention(Q.long(), Q.long(), Q.long()), TypeError, ['queries', 'int64']),
     'tiled block_size': (lambda: tiled_attention(Q, Q, Q, block_size=0), ValueError, ['block_size', '0']),

@@ -132,9 +132,9 @@ def _varlen_everywhere(monkeypatch):
     "Make the CPU take the varlen route (pick_kernel as on CUDA in half precision) with the stand-in kernel."
     monkeypatch.setattr(masks, '_varlen_kernel', lambda device: _fake_varlen(True))
     real_pick = masks.pick_kernel
-    def pick(device_type, masked, T, S, needs_grad, dropout, runs_only=False, half=False):
-        if masked and runs_only and not dropout: return 'varlen'
-        return real_pick(device_type, masked, T, S, needs_grad, dropout, runs_only, half)
+    def pick(device_type, masked, T, S, needs_grad, dropout, runs_only=False, half=False, scored=False):
+        if masked and runs_only and not dropout and not scored: return 'varlen'
+        return real_pick(device_type, masked, T, S, needs_grad, dropout, runs_only, half, scored)
     monkeypatch.setattr(masks, 'pick_kernel', pick)
     found = []
     monkeypatch.setattr(masks, 'varlen_runs', lambda *a: found.append(1) or varlen_runs(*a))

@@ -1,0 +1,265 @@
+"""A caller's `mask_mod`, `score_mod` and `scale` on every module, block and model, through the one kernel choice.
+
+Every kernel that can take a call is forced with `attention_kernel` and compared with the explicit path (the one that
+returns the weights) in float64: the forward, and the gradients of the input and of every parameter. On a CPU,
+FlexAttention has no backward pass, so its forward alone is compared. A kernel that cannot take a call refuses it by
+name, and the choice left to itself never sends a call there."""
+import warnings
+
+import pytest
+import torch
+
+import selfattn_nbdev  # noqa: F401  (every module, so every later version is in place)
+from selfattn_nbdev import masks as M
+from selfattn_nbdev.masks import and_masks, attention_kernel, causal, documents, pick_kernel
+from selfattn_nbdev.multihead import MultiHeadAttention
+from selfattn_nbdev.recent import LlamaAttention
+from selfattn_nbdev.tiled import alibi, alibi_slopes
+
+B, T, D, H, KV = 2, 24, 16, 4, 2
+PAD = torch.arange(T) >= torch.tensor([[T], [T - 6]])       # row 1: its last 6 tokens are padding
+DOCS = torch.tensor([[0] * 10 + [1] * 14, [0] * 7 + [1] * 8 + [2] * 9])
+SEEN = torch.rand(B, T, generator=torch.Generator().manual_seed(1)) > 0.3   # a tensor a predicate reads
+PREFIX = torch.tensor([5, 9])                                # each row's prefix, seen in both directions
+
+
+def prefix_lm(b, h, q_idx, kv_idx): return (kv_idx <= q_idx) | (kv_idx < PREFIX[b])
+def reads_a_tensor(b, h, q_idx, kv_idx): return (kv_idx <= q_idx) & (SEEN[b, kv_idx] | (kv_idx == q_idx))
+def capped(score, b, h, q_idx, kv_idx): return 4.0 * torch.tanh(score / 4.0)
+def identity(score, b, h, q_idx, kv_idx): return score
+
+
+ALIBI = alibi(alibi_slopes(H))
+FUNCTIONS = {
+    'prefix-LM': dict(mask_mod=prefix_lm),
+    'ALiBi': dict(score_mod=ALIBI),
+    'soft cap': dict(score_mod=capped),
+    'documents+padding': dict(document_ids=DOCS, key_padding_mask=PAD),
+    'documents as mask_mod+padding': dict(mask_mod=and_masks(causal, documents(DOCS)), key_padding_mask=PAD),
+    'a predicate reading a tensor': dict(mask_mod=reads_a_tensor),
+    'prefix-LM, ALiBi, scale': dict(mask_mod=prefix_lm, score_mod=ALIBI, scale=0.3),
+}
+PATHS = ['dense', 'block', 'flex_eager', 'varlen', 'explicit']
+
+
+def takes(path: str, name: str) -> bool:
+    "Which kernel can take which call: SDPA no score function, runs only padding and documents."
+    kw = FUNCTIONS[name]
+    if path == 'dense': return 'score_mod' not in kw
+    if path == 'varlen': return set(kw) <= {'document_ids', 'key_padding_mask'}
+    return True
+
+
+def module(kind: str):
+    torch.manual_seed(0)
+    if kind == 'mha': return MultiHeadAttention(D, D, T, num_heads=H, num_kv_heads=KV).double()
+    if kind == 'llama': return LlamaAttention(D, T, H, KV).double()                 # RoPE
+    if kind == 'gemma': return LlamaAttention(D, T, H, KV, query_scale=0.4, softcap=3.0).double()  # its own cap
+    raise ValueError(kind)
+
+
+def run(m, kw, kernel=None, grad=True):
+    "Output and gradients (input, every parameter) at the real tokens; kernel None: the explicit path."
+    torch.manual_seed(1)
+    x = torch.randn(B, T, D, dtype=torch.float64, requires_grad=grad)
+    w = torch.randn(B, T, D, dtype=torch.float64)
+    real = ~kw['key_padding_mask'] if 'key_padding_mask' in kw else torch.ones(B, T, dtype=torch.bool)
+    with torch.set_grad_enabled(grad):
+        if kernel is None: out = m(x, return_attn_weights=True, **kw)[0]
+        else:
+            with attention_kernel(kernel): out = m(x, **kw)
+    if not grad: return [out[real]]
+    params = [p for p in m.parameters() if p.requires_grad]
+    grads = torch.autograd.grad((out * w)[real].sum(), [x, *params], allow_unused=True)
+    return [out[real]] + [g for g in grads if g is not None]
+
+
+@pytest.mark.parametrize('kind', ['mha', 'llama', 'gemma'])
+@pytest.mark.parametrize('name', list(FUNCTIONS))
+@pytest.mark.parametrize('path', PATHS)
+def test_every_path_equals_the_explicit_path_in_float64(path, name, kind):
+    m, kw = module(kind), FUNCTIONS[name]
+    if not takes(path, name) or (path == 'dense' and kind == 'gemma'):   # Gemma: its own cap, always
+        with pytest.raises(ValueError, match=f"attention_kernel\\('{path}'\\)"):
+            run(m, kw, path)
+        return
+    grad = path != 'flex_eager'                       # no backward pass on a CPU
+    ours, ref = run(m, kw, path, grad), run(m, kw, None, grad)
+    assert len(ours) == len(ref) and len(ref) >= (1 if not grad else 5)
+    worst = max((a - b).abs().max().item() for a, b in zip(ours, ref))
+    assert worst < 1e-12, (path, name, kind, worst)
+
+
+@pytest.mark.parametrize('name', list(FUNCTIONS))
+def test_the_choice_left_to_itself_equals_the_explicit_path(name):
+    "Unforced, with gradients on a CPU: the choice takes a kernel that can take the call, and it agrees."
+    for kind in ('mha', 'gemma'):
+        m, kw = module(kind), FUNCTIONS[name]
+        ours, ref = run(m, kw), run(m, kw, None)
+        assert max((a - b).abs().max().item() for a, b in zip(ours, ref)) < 1e-12
+
+
+def test_sinks_take_the_callers_mask_and_scores():
+    "Sinks go through the tiled kernel and its L whatever the kernel asked; with a caller's functions too."
+    torch.manual_seed(0)
+    m = LlamaAttention(D, T, H, KV, sinks=True, softcap=5.0).double()
+    with torch.no_grad(): m.sinks.copy_(torch.tensor([-1.0, 0.0, 1.0, 3.0]))
+    for name in ('prefix-LM, ALiBi, scale', 'a predicate reading a tensor', 'documents+padding'):
+        kw = FUNCTIONS[name]
+        with pytest.MonkeyPatch.context() as mp:
+            went = []
+            real = LlamaAttention._attend_sunk
+            mp.setattr(LlamaAttention, '_attend_sunk', lambda self, *a, **k: went.append(1) or real(self, *a, **k))
+            ours = run(m, kw, 'dense')
+        assert went, name
+        ref = run(m, kw, None)
+        assert max((a - b).abs().max().item() for a, b in zip(ours, ref)) < 1e-12, name
+
+
+def test_a_score_function_reads_the_query_head_under_grouped_heads():
+    "h is the query head on every path (keys repeated, not grouped): a score function that reads h sees 0 .. H-1."
+    seen = set()
+    def by_head(score, b, h, q_idx, kv_idx):
+        seen.update(torch.as_tensor(h).flatten().tolist())
+        return score + h
+    m = module('mha')
+    for path in ('block', 'explicit'):
+        seen.clear(); run(m, dict(score_mod=by_head), path)
+        assert seen == set(range(H)), (path, seen)
+
+
+def test_scale_is_the_factor_on_the_scores():
+    "scale=c gives softmax(c q·k): the module's own scale changes nothing; another equals the hand-written formula."
+    m = module('llama').eval()
+    x = torch.randn(B, T, D, dtype=torch.float64)
+    with torch.no_grad():
+        assert (m(x, scale=m._scale()) - m(x)).abs().max() < 1e-12
+        q, k, v = m._project(x)
+        k, v = (t.repeat_interleave(H // KV, dim=1) for t in (k, v))
+        c = 0.7
+        scores = c * q @ k.transpose(2, 3)                                  # (b, h, T, T)
+        scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), -torch.inf)
+        by_hand = m.out_proj(m._merge_heads(torch.softmax(scores, -1) @ v))
+        assert (m(x, scale=c) - by_hand).abs().max() < 1e-12
+
+
+def test_the_mask_mod_replaces_causal_and_padding_still_applies():
+    "mask_mod in place of causal: no mask at all lets a query see the future; padded keys stay hidden."
+    m = module('mha').eval()
+    x = torch.randn(B, T, D, dtype=torch.float64)
+    everything = lambda b, h, q, kv: kv >= 0
+    with torch.no_grad():
+        _, w = m(x, mask_mod=everything, return_attn_weights=True)
+        assert (w[..., 0, 1:] > 0).all()                      # the first query sees later keys
+        _, w = m(x, mask_mod=everything, key_padding_mask=PAD, return_attn_weights=True)
+        assert (w[1, ..., PAD[1]] == 0).all()
+
+
+def test_one_warning_for_a_large_call_on_the_explicit_path(monkeypatch):
+    "A score function with dropout goes to no fused kernel: once per process, a warning names the path taken."
+    monkeypatch.setattr(M, '_said', set())
+    m = MultiHeadAttention(4, 4, 2048, num_heads=1, dropout=0.1).train()
+    x = torch.randn(1, 2048, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        for _ in range(2): m(x, score_mod=identity)
+        m.eval(); m(x[:, :64], score_mod=identity)             # small: no warning either
+    said = [str(w.message) for w in caught if 'attention took' in str(w.message)]
+    assert len(said) == 1 and "'explicit'" in said[0] and 'dropout' in said[0], said
+
+
+def test_a_large_score_function_with_a_backward_goes_tiled(monkeypatch):
+    "From BLOCK_MIN_PAIRS pairs, a score function on a CPU with a backward takes the tiled kernel, and says nothing."
+    import selfattn_nbdev.tiled as tiled
+    calls, real = [], tiled.tiled_attention
+    monkeypatch.setattr(tiled, 'tiled_attention', lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(M, '_said', set())
+    m = MultiHeadAttention(4, 4, 2048, num_heads=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        m(torch.randn(1, 2048, 4), score_mod=identity)
+    assert calls == [1]
+    assert pick_kernel('cpu', True, 2047, 2048, True, 0.0, scored=True) == 'explicit'
+    assert pick_kernel('cpu', True, 2048, 2048, True, 0.0, scored=True) == 'block'
+
+
+def test_forced_kernels_refuse_by_name():
+    m = module('mha')
+    x = torch.randn(B, T, D, dtype=torch.float64, requires_grad=True)
+    for kernel, kw, words in [('dense', dict(score_mod=capped), 'score function'),
+                              ('varlen', dict(mask_mod=prefix_lm), 'mask_mod'),
+                              ('flex', dict(mask_mod=prefix_lm), 'backward')]:
+        with attention_kernel(kernel), pytest.raises(ValueError, match=words):
+            m(x, **kw)
+    m.dropout.p = 0.5
+    with attention_kernel('block'), pytest.raises(ValueError, match='drops no weights'):
+        m.train()(x, score_mod=capped)
+
+
+# ---- blocks and models: the three reach every attention module ----
+
+def _models():
+    from selfattn_nbdev.generation import TinyGPT
+    from selfattn_nbdev.models import GPT2, DeepSeekV3, Gemma, Llama
+    torch.manual_seed(0)
+    yield 'TinyGPT', TinyGPT(50, T, 16, 2, 2, rope=True)
+    yield 'GPT2', GPT2(50, T, 16, 2, 2)
+    yield 'Llama', Llama(50, T, 16, 4, 2, 2, 32)
+    yield 'Gemma', Gemma(50, T, 16, 4, 2, 2, 32, 8, window=6, layer_types=['sliding_attention', 'full_attention'],
+                         query_scale=0.3, softcap=20.0, final_softcap=30.0)
+    yield 'DeepSeekV3', DeepSeekV3(50, T, 16, 4, 2, 32, kv_rank=8, rope_dim=4, nope_dim=4, v_dim=4)
+
+
+@pytest.mark.parametrize('name', ['TinyGPT', 'GPT2', 'Llama', 'Gemma', 'DeepSeekV3'])
+def test_models_hand_the_functions_to_every_block(name):
+    model = dict(_models())[name].double().eval()
+    ids = torch.randint(0, 50, (B, T))
+    with torch.no_grad():
+        plain = model(ids)
+        assert (model(ids, mask_mod=causal) - plain).abs().max() < 1e-12 or name == 'Gemma'  # Gemma: its window
+        assert (model(ids, score_mod=identity) - plain).abs().max() < 1e-12
+        prefixed = model(ids, mask_mod=prefix_lm)
+        assert (prefixed[:, :5] - plain[:, :5]).abs().max() > 1e-6          # the prefix sees its future
+        with attention_kernel('explicit'): explicit = model(ids, mask_mod=prefix_lm, score_mod=ALIBI)
+        with attention_kernel('block'): tiled = model(ids, mask_mod=prefix_lm, score_mod=ALIBI)
+        assert (explicit - tiled).abs().max() < 1e-12
+
+
+def test_a_model_trains_through_a_callers_functions():
+    "Gradients of a whole model (Llama) under prefix-LM with ALiBi: the tiled path equals the explicit one."
+    model = dict(_models())['Llama'].double()
+    ids = torch.randint(0, 50, (B, T))
+    def grads(kernel):
+        with attention_kernel(kernel): loss = model(ids, mask_mod=prefix_lm, score_mod=ALIBI).logsumexp(-1).sum()
+        return torch.autograd.grad(loss, list(model.parameters()))
+    assert max((a - b).abs().max().item() for a, b in zip(grads('block'), grads('explicit'))) < 1e-12
+
+
+def test_latent_attention_takes_the_three():
+    "MLA: a score function goes tiled, a mask_mod densely, scale in place of its own; all equal where they meet."
+    from selfattn_nbdev.models import LatentAttention
+    torch.manual_seed(0)
+    m = LatentAttention(16, T, 4, kv_rank=8, rope_dim=4, nope_dim=4, v_dim=4).double()
+    x = torch.randn(B, T, 16, dtype=torch.float64)
+    with torch.no_grad():
+        plain = m(x)
+        for kw in (dict(mask_mod=causal), dict(score_mod=identity), dict(scale=m.scale)):
+            assert (m(x, **kw) - plain).abs().max() < 1e-12, kw
+        assert (m(x, mask_mod=prefix_lm, score_mod=identity) - m(x, mask_mod=prefix_lm)).abs().max() < 1e-12
+        assert (m(x, scale=2 * m.scale) - plain).abs().max() > 1e-6
+    from selfattn_nbdev.generation import KVCache
+    with pytest.raises(ValueError, match='mask_mod and score_mod'):
+        m(x, cache=KVCache(), score_mod=identity)
+
+
+def test_qwen35_takes_scores_not_masks():
+    from selfattn_nbdev.hybrid import Qwen35
+    torch.manual_seed(0)
+    model = Qwen35(50, T, 16, 2, 4, 1, 32, 8, linear_num_key_heads=2, linear_num_value_heads=2,
+                   linear_key_head_dim=8, linear_value_head_dim=8).double().eval()
+    ids = torch.randint(0, 50, (1, T))
+    with torch.no_grad():
+        assert (model(ids, score_mod=identity) - model(ids)).abs().max() < 1e-12
+        assert (model(ids, scale=0.05) - model(ids)).abs().max() > 1e-9
+    with pytest.raises(ValueError, match='Qwen35 takes no mask_mod'):
+        model(ids, mask_mod=prefix_lm)

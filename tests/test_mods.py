@@ -77,7 +77,7 @@ def run(m, kw, kernel=None, grad=True):
 @pytest.mark.parametrize('kind', ['mha', 'llama', 'gemma'])
 @pytest.mark.parametrize('name', list(FUNCTIONS))
 @pytest.mark.parametrize('path', PATHS)
-def test_every_path_equals_the_explicit_path_in_float64(path, name, kind):
+def test_every_path_equals_the_explicit_path_in_float64(path, name, kind, record_property):
     m, kw = module(kind), FUNCTIONS[name]
     if not takes(path, name) or (path == 'dense' and kind == 'gemma'):   # Gemma: its own cap, always
         with pytest.raises(ValueError, match=f"attention_kernel\\('{path}'\\)"):
@@ -87,6 +87,8 @@ def test_every_path_equals_the_explicit_path_in_float64(path, name, kind):
     ours, ref = run(m, kw, path, grad), run(m, kw, None, grad)
     assert len(ours) == len(ref) and len(ref) >= (1 if not grad else 5)
     worst = max((a - b).abs().max().item() for a, b in zip(ours, ref))
+    what = f"{path}{'' if grad else ' (forward)'}: {name}"    # the largest over the modules, printed at the end
+    record_property('max_diff', (what, 'explicit path', worst))
     assert worst < 1e-12, (path, name, kind, worst)
 
 

@@ -766,6 +766,24 @@ class LatentAttention(nn.Module):
         key = ('yarn', d, base, repr(s))
         return _shared_table(self, key, self.context_length, like, make)
 
+    def _check_call(self, x:Tensor, document_ids) -> None:
+        "One sequence per row (no documents); tokens of this module's size and dtype."
+        if document_ids is not None:
+            raise ValueError(f"{type(self).__name__} attends over one sequence per "
+                             f"row: document_ids is not supported")
+        weight = self.W_DKV.weight
+        check_tokens(x, self.d_model, weight.dtype, weight.device)
+
+    def _angles(self, x:Tensor, cache) -> tuple: # cos, sin: (T, d_R), (b|1, 1, T, d_R)
+        "Check x (b, T, d) against the context or the cache; RoPE at its positions."
+        T = x.shape[1]
+        if cache is None: check_context(T, self.context_length)
+        else: _check_cache(cache); cache.check_new_tokens(x, None, self)
+        cos, sin = self._rope_table(x)                      # (context_length, d_R)
+        if cache is None: return cos[:T], sin[:T]
+        positions = cache.positions(T, x.device)            # (b | 1, T)
+        return cos[positions][:, None], sin[positions][:, None]
+
     def _turn(self, x:Tensor, cos:Tensor, sin:Tensor) -> Tensor: # (..., T, d_R)
         "RoPE on the turned part; interleaved pairs (2p, 2p + 1) are put apart first."
         if self.interleave: x = torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
@@ -803,22 +821,12 @@ class LatentAttention(nn.Module):
                 scale:float|None=None, # c in softmax(c q·k); None: the module's
                ) -> Tensor: # (b, num_tokens, d_model)
         "Queries; the latent and shared key, turned and cached; keys, values; attend."
-        if document_ids is not None:
-            raise ValueError("LatentAttention attends over one sequence per row: "
-                             "document_ids is not supported")
+        self._check_call(x, document_ids)
         _check_mods(mask_mod, score_mod, scale, cache)
-        weight = self.W_DKV.weight
-        check_tokens(x, self.d_model, weight.dtype, weight.device)
         if x.dim() == 2:  # one sequence: a batch of 1
             return self(x[None], cache, None, mask_mod, score_mod, scale)[0]
         b, T, _ = x.shape
-        if cache is None: check_context(T, self.context_length)
-        else: _check_cache(cache); cache.check_new_tokens(x, None, self)
-        cos, sin = self._rope_table(x)                      # (context_length, d_R)
-        if cache is None: cos, sin = cos[:T], sin[:T]
-        else:
-            positions = cache.positions(T, x.device)        # (b | 1, T)
-            cos, sin = cos[positions][:, None], sin[positions][:, None]
+        cos, sin = self._angles(x, cache)       # (T, d_R) or (b | 1, 1, T, d_R)
         q = (self.W_query(x) if self.q_rank is None
              else self.W_UQ(self.cq_norm(self.W_DQ(x))))    # (b, T, h * qk_dim)
         q = q.view(b, T, self.num_heads, -1).transpose(1, 2)  # (b, h, T, qk_dim)

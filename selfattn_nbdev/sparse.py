@@ -12,9 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .core import check_size, check_tokens
-from .causal import causal_mask, check_context, check_dropout
-from .generation import _check_cache
+from .core import check_size
+from .causal import causal_mask, check_dropout
 from .modern import rope_rotate
 from .models import LatentAttention
 
@@ -235,19 +234,10 @@ class SparseLatentAttention(LatentAttention):
                 document_ids=None, # packed documents: not supported here
                ) -> Tensor: # (b, num_tokens, d_model)
         "Index every key, keep the top k, attend to those: the rest as LatentAttention."
-        if document_ids is not None:
-            raise ValueError("SparseLatentAttention attends over one sequence per "
-                             "row: document_ids is not supported")
-        check_tokens(x, self.d_model, self.W_DKV.weight.dtype, self.W_DKV.weight.device)
+        self._check_call(x, document_ids)                   # LatentAttention's
         if x.dim() == 2: return self(x[None], cache)[0]  # one sequence: a batch of 1
         b, T, _ = x.shape
-        if cache is None: check_context(T, self.context_length)
-        else: _check_cache(cache); cache.check_new_tokens(x, None, self)
-        cos, sin = self._rope_table(x)                      # (context_length, d_R)
-        if cache is None: cos, sin = cos[:T], sin[:T]
-        else:
-            positions = cache.positions(T, x.device)        # (b | 1, T)
-            cos, sin = cos[positions][:, None], sin[positions][:, None]
+        cos, sin = self._angles(x, cache)       # (T, d_R) or (b | 1, 1, T, d_R)
         q_latent = self.cq_norm(self.W_DQ(x))               # (b, T, q_rank): c^Q
         q = self.W_UQ(q_latent).view(b, T, self.num_heads, -1).transpose(1, 2)
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)

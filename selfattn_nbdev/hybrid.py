@@ -7,7 +7,7 @@ __all__ = ['HYBRID_TYPES', 'GatedAttention', 'HybridCache', 'HybridBlock', 'hybr
            'qwen35_config']
 
 # %% ../nbs/20_hybrid.ipynb #e664abb9
-import math, numbers
+import contextvars, math, numbers
 
 import torch
 from torch import Tensor, nn
@@ -26,7 +26,7 @@ from .linear import GatedDeltaNet, RecurrentCache
 # %% ../nbs/20_hybrid.ipynb #19e300aa
 class GatedAttention(LlamaAttention):
     "LlamaAttention with an output gate and partial RoPE (Qwen3-Next, Qwen3.5)."
-    _settings = LlamaAttention._settings + ("output_gate", "rotary_dim")
+    _settings = LlamaAttention._settings + ("output_gate",)
 
     def __init__(self,
                  d_model:int,        # the size of every token vector
@@ -38,16 +38,18 @@ class GatedAttention(LlamaAttention):
                  partial_rotary_factor:float=1.0, # the share of each head RoPE turns
                  **options, # LlamaAttention's: qkv_bias, rope_base, qk_norm, window...
                 ):
+        check_size(d_model, "d_model"); check_size(num_heads, "num_heads")
+        hd = d_model // num_heads if head_dim is None else head_dim
+        check_size(hd, "head_dim")
+        rotary_dim = _rotary_dim(partial_rotary_factor, hd,  # LlamaAttention turns it
+                                 check_rope_scaling(options.get("rope_scaling")))
         super().__init__(d_model, context_length, num_heads, num_kv_heads, head_dim,
-                         **options)
+                         rotary_dim=rotary_dim, **options)
         check_flag(output_gate, "output_gate")
-        self.rotary_dim = _rotary_dim(partial_rotary_factor, self.head_dim,
-                                      self.rope_scaling)
         self.output_gate = output_gate
         if output_gate:  # one projection: [query | gate] for each head in turn
             self.W_query = nn.Linear(d_model, 2 * num_heads * self.head_dim,
                                      bias=self.W_key.bias is not None)
-        self._gate = None  # from _qkv to _merge_heads, within one call
 
 # %% ../nbs/20_hybrid.ipynb #84cf6825
 def _rotary_dim(factor, head_dim:int, scaling:dict|None) -> int: # numbers turned
@@ -66,6 +68,8 @@ def _rotary_dim(factor, head_dim:int, scaling:dict|None) -> int: # numbers turne
     return rotary_dim
 
 # %% ../nbs/20_hybrid.ipynb #5543f89f
+_GATES = contextvars.ContextVar("gates")  # id(module) -> its gate, in this call only
+
 @patch
 def _qkv(self:GatedAttention,
          x:Tensor, # tokens, (b, num_tokens, d_model)
@@ -76,7 +80,9 @@ def _qkv(self:GatedAttention,
     b, T, _ = x.shape
     both = both.view(b, T, self.num_heads, 2 * self.head_dim)  # (b, T, h, 2 hd)
     queries, gate = both.split(self.head_dim, dim=-1)           # (b, T, h, hd) each
-    self._gate = gate.reshape(b, T, -1)                         # (b, T, h hd)
+    gates = _GATES.get(None)
+    if gates is None: gates = {}; _GATES.set(gates)   # this thread's, this task's
+    gates[id(self)] = gate.reshape(b, T, -1)                    # (b, T, h hd)
     return [queries.transpose(1, 2), self._split_heads(keys),
             self._split_heads(values)]
 
@@ -87,39 +93,11 @@ def _merge_heads(self:GatedAttention,
     "The heads side by side, each number times the sigmoid of its gate (1)."
     merged = LlamaAttention._merge_heads(self, context)         # (b, T, h hd)
     if not self.output_gate: return merged
-    gate, self._gate = self._gate, None
+    gate = _GATES.get({}).pop(id(self), None)        # taken: nothing stays behind
     if gate is None or gate.shape != merged.shape:
         raise RuntimeError("GatedAttention's gate comes from _qkv in the same call; "
                            "call the module, not _merge_heads alone")
     return merged * torch.sigmoid(gate).to(merged.dtype)
-
-# %% ../nbs/20_hybrid.ipynb #6a5a134b
-@patch
-def _rope_table(self:GatedAttention,
-                num_positions:int, # positions needed: 0 .. num_positions - 1
-                like:Tensor, # where and in what precision
-               ) -> tuple: # cos, sin: (at least num_positions, rotary_dim)
-    "cos and sin of every position for the rotary_dim numbers that turn; shared."
-    r, base, s = self.rotary_dim, self.rope_base, self.rope_scaling
-    make = lambda n, dtype: _rope_cos_sin(torch.arange(n, device=like.device), r,
-                                          base, s, dtype)
-    return _shared_table(self, ('llama', r, base, repr(s)), num_positions, like, make)
-
-@patch
-def _project(self:GatedAttention,
-             x:Tensor, # tokens, (b, num_tokens, d_model)
-             positions:Tensor|None=None, # RoPE's (b | 1, T); None: 0 .. T - 1
-            ) -> tuple: # queries (b, heads, T, hd); keys, values (b, kv_heads, T, hd)
-    "Queries, keys, values in heads; QK-normed; the first rotary_dim numbers turned."
-    queries, keys, values = self._qkv(x)
-    if self.q_norm is not None:
-        queries, keys = self.q_norm(queries), self.k_norm(keys)
-    if self.query_scale is not None:  # every kernel divides by sqrt(hd): undo it
-        queries = queries * (self.query_scale * math.sqrt(self.head_dim))
-    cos, sin = self._rope_at(positions, x.shape[1], queries)  # (.., T, rotary_dim)
-    r = self.rotary_dim
-    turn = lambda t: torch.cat([rope_rotate(t[..., :r], cos, sin), t[..., r:]], -1)
-    return turn(queries), turn(keys), values
 
 # %% ../nbs/20_hybrid.ipynb #2805e6ae
 class HybridCache(RecurrentCache):

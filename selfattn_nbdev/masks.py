@@ -666,7 +666,7 @@ def _pick(self:MultiHeadAttention, queries:Tensor, num_keys:int,
                        runs_only, queries.dtype in (torch.float16, torch.bfloat16),
                        scored)
 
-def _refuse(kernel:str, why:str):
+def _refuse_kernel(kernel:str, why:str):
     "attention_kernel asked for a kernel that cannot take this call: say why."
     raise ValueError(f"attention_kernel({kernel!r}) cannot take this call: {why}")
 
@@ -685,9 +685,11 @@ def _attend_flex(self:MultiHeadAttention, queries, keys, values, key_padding_mas
                  document_ids, compiled:bool, mask_mod=None, # the caller's, or None
                  score_mod=None) -> Tensor: # (b, h, T, hd)
     "FlexAttention with the call's predicate and score function; blocks share masks."
+    kernel = 'flex' if compiled else 'flex_eager'   # what attention_kernel asked for
     if queries.requires_grad and not queries.is_cuda:
-        _refuse('flex', "FlexAttention has no backward pass on a CPU")
-    if self.training and self.dropout.p: _refuse('flex', "FlexAttention drops nothing")
+        _refuse_kernel(kernel, "FlexAttention has no backward pass on a CPU")
+    if self.training and self.dropout.p:
+        _refuse_kernel(kernel, "FlexAttention drops nothing")
     plain = key_padding_mask is None and document_ids is None
     form = (None if mask_mod is not None else  # yours: built for this call only
             ('window', self.causal, self.window) if plain else
@@ -747,8 +749,9 @@ def _attend_masked(self:MultiHeadAttention,
             return varlen_attend(queries, keys, values, key_padding_mask,
                                  self.causal, document_ids, runs, self.window)
     if choice == 'varlen':  # no runs here: _cpu_runs says why
-        if forced: _refuse(forced, "runs take padding and documents, no mask_mod or "
-                                   "score_mod, and a window only over gapless rows")
+        if forced: _refuse_kernel(forced, "runs take padding and documents, no "
+                                          "mask_mod or score_mod, and a window only "
+                                          "over gapless rows")
         choice = self._pick(queries, T, runs_only=False, scored=scored)
     if choice.startswith('flex'):  # FlexAttention: tiles skipped, no dense mask
         return self._attend_flex(queries, keys, values, key_padding_mask, document_ids,
@@ -756,7 +759,7 @@ def _attend_masked(self:MultiHeadAttention,
     if choice in ('block', 'explicit'):  # the scores: tile by tile, or all at once
         return self._attend_unfused(queries, keys, values, key_padding_mask,
                                     document_ids, mask_mod, score_mod, choice)
-    if scored: _refuse(choice, "SDPA takes no score function")
+    if scored: _refuse_kernel(choice, "SDPA takes no score function")
     allowed = self._allowed(T, T, key_padding_mask, document_ids, mask_mod,
                             queries.shape[0])
     return self._attend_fused(queries, keys, values, allowed)  # SDPA, the dense mask

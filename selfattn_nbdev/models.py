@@ -26,7 +26,8 @@ from .causal import causal_mask, check_context, check_dropout
 from .multihead import MultiHeadAttention
 from .generation import TinyGPT, TransformerBlock, _check_cache
 from .decoding import project
-from .masks import _check_mods, _refuse, block_mask, causal, dense_mask
+from .masks import (_check_mods, _refuse_kernel, block_mask, causal,
+                                  dense_mask)
 from .modern import _shared_table, rope_rotate
 from .recent import (LAYER_TYPES, RESCALINGS, LlamaAttention,
                                    _rope_cos_sin, check_rope_scaling, check_yarn,
@@ -804,8 +805,8 @@ class LatentAttention(nn.Module):
 
     def _scored(self, queries, keys, values, mask_mod, score_mod, scale) -> Tensor:
         "A score function: the tiled kernel, mask_mod (or causal) as its block mask."
-        if self.training and self.dropout: _refuse('block', "the tiled kernel drops "
-                                                            "no weights")
+        if self.training and self.dropout:
+            _refuse_kernel('block', "the tiled kernel drops no weights")
         (b, _, T, _), S = queries.shape, keys.shape[2]   # no cache here: T == S
         tiles = block_mask(causal if mask_mod is None else mask_mod, T, S, 64,
                            1 if mask_mod is None else b, device=queries.device)

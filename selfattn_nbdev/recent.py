@@ -215,7 +215,7 @@ def sink_after(
 class LlamaAttention(MultiHeadAttention):
     "The attention of Llama, Mistral, Qwen, Gemma, gpt-oss: GQA, RoPE, window, more."
     _settings = MultiHeadAttention._settings + ("rope_scaling", "query_scale",
-                                                "softcap")
+                                                "softcap", "rotary_dim")
 
     def __init__(self,
                  d_model:int,        # the size of every token vector
@@ -234,6 +234,7 @@ class LlamaAttention(MultiHeadAttention):
                  sinks:bool=False, # a learned sink logit per head (gpt-oss)
                  out_bias:bool=False, # a bias in out_proj (gpt-oss)
                  dropout:float=0.0, # drop attention weights in training
+                 rotary_dim:int|None=None, # numbers RoPE turns (None: all of a head)
                 ):
         head_dim = d_model // num_heads if head_dim is None else head_dim
         check_size(head_dim, "head_dim"); check_flag(qk_norm, "qk_norm")
@@ -254,6 +255,12 @@ class LlamaAttention(MultiHeadAttention):
         self.k_norm = nn.RMSNorm(head_dim, eps=norm_eps) if qk_norm else None
         self.sinks = nn.Parameter(torch.zeros(num_heads)) if sinks else None
         self._longest = None  # dynamic RoPE: the longest text so far, as transformers
+        if rotary_dim is not None and not (isinstance(rotary_dim, int) and
+                                           2 <= rotary_dim <= head_dim and
+                                           rotary_dim % 2 == 0):
+            raise ValueError(f"rotary_dim must be None or an even int in [2, head_dim="
+                             f"{head_dim}]; got {rotary_dim!r}")
+        self.rotary_dim = head_dim if rotary_dim is None else rotary_dim  # partial RoPE
 
 # %% ../nbs/12_recent.ipynb #1bd3c8c6
 def _rope_cos_sin(positions:Tensor, head_dim:int, base:float, s:dict|None, dtype,
@@ -267,8 +274,8 @@ def _rope_cos_sin(positions:Tensor, head_dim:int, base:float, s:dict|None, dtype
 
 @patch
 def _rope_table(self:LlamaAttention, num_positions:int, like:Tensor) -> tuple:
-    "cos and sin of the angles of positions 0 .. context_length; built once, shared."
-    hd, base, s = self.head_dim, self.rope_base, self.rope_scaling
+    "cos and sin of positions 0 .. context_length for rotary_dim numbers; shared."
+    hd, base, s = self.rotary_dim, self.rope_base, self.rope_scaling
     make = lambda n, dtype: _rope_cos_sin(torch.arange(n, device=like.device), hd,
                                           base, s, dtype)
     return _shared_table(self, ('llama', hd, base, repr(s)), num_positions, like, make)
@@ -290,7 +297,7 @@ def _rope_at(self:LlamaAttention, positions:Tensor|None, num_tokens:int,
         self._longest = L if seq_len < L else max(self._longest or L, seq_len)
         seq_len = self._longest
     dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
-    cos, sin = _rope_cos_sin(where, self.head_dim, self.rope_base, s, dtype, seq_len)
+    cos, sin = _rope_cos_sin(where, self.rotary_dim, self.rope_base, s, dtype, seq_len)
     return (cos, sin) if positions is None else (cos[:, None], sin[:, None])
 
 @patch
@@ -301,8 +308,14 @@ def _project(self:LlamaAttention, x:Tensor, positions:Tensor|None=None) -> tuple
         queries, keys = self.q_norm(queries), self.k_norm(keys)
     if self.query_scale is not None:  # every kernel divides by sqrt(hd): undo it
         queries = queries * (self.query_scale * math.sqrt(self.head_dim))
-    cos, sin = self._rope_at(positions, x.shape[1], queries)  # (T, hd) or (b,1,T,hd)
-    return rope_rotate(queries, cos, sin), rope_rotate(keys, cos, sin), values
+    cos, sin = self._rope_at(positions, x.shape[1], queries)  # (.., T, rotary_dim)
+    return _turn_first(queries, cos, sin), _turn_first(keys, cos, sin), values
+
+def _turn_first(t:Tensor, cos:Tensor, sin:Tensor) -> Tensor: # (..., T, head_dim)
+    "RoPE on the first cos.shape[-1] numbers of each head, the rest as they are."
+    r = cos.shape[-1]  # rotary_dim: all of a head, or a part (partial RoPE)
+    if r == t.shape[-1]: return rope_rotate(t, cos, sin)
+    return torch.cat([rope_rotate(t[..., :r], cos, sin), t[..., r:]], dim=-1)
 
 # %% ../nbs/12_recent.ipynb #85167eb4
 @functools.lru_cache

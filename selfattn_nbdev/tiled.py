@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from .core import check_flag, check_size, patch
-from .masks import (EMPTY, FULL, PARTIAL, TileMask, _refuse,
+from .masks import (EMPTY, FULL, PARTIAL, TileMask, _refuse_kernel,
                                   _tile_index, block_mask)
 from .multihead import MultiHeadAttention
 from .modern import repeat_kv
@@ -398,8 +398,8 @@ def _attend_unfused(self:MultiHeadAttention, queries, keys, values, # (b, h|kv, 
     if kernel != 'block':
         return _attend_explicitly(self, queries, keys, values, key_padding_mask,
                                   document_ids, mask_mod, score_mod, kernel)
-    if self.training and self.dropout.p: _refuse('block', "the tiled kernel drops "
-                                                          "no weights")
+    if self.training and self.dropout.p:
+        _refuse_kernel('block', "the tiled kernel drops no weights")
     (b, _, T, _), S = queries.shape, keys.shape[2]
     group = self.num_heads // self.num_kv_heads   # h: the query head, as Flex gives it
     keys, values = repeat_kv(keys, group), repeat_kv(values, group)  # (b, h, S, hd)

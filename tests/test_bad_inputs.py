@@ -242,7 +242,7 @@ CASES = {
     'attention_kernel dense score': (lambda: _forced('dense', score_mod=lambda s, b, h, q, k: s), ValueError,
                                      ["'dense'", 'score function']),
     'attention_kernel flex backward': (lambda: _forced('flex_eager', mask_mod=M.causal), ValueError,
-                                       ["'flex'", 'backward']),
+                                       ["'flex_eager'", 'backward']),
     'attention_kernel varlen mask_mod': (lambda: _forced('varlen', mask_mod=M.causal), ValueError,
                                          ["'varlen'", 'mask_mod']),
     'tiled queries list': (lambda: tiled_attention([1.0], Q, Q), (TypeError, ValueError), ['queries']),

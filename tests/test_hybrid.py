@@ -13,6 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf_ds  # noqa: E402
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf_qwen35  # noqa: E402
 
+from selfattn_nbdev import hybrid  # noqa: E402
 from selfattn_nbdev.decoding import StaticKVCache, generate  # noqa: E402
 from selfattn_nbdev.generation import KVCache  # noqa: E402
 from selfattn_nbdev.hybrid import (GatedAttention, HybridCache, Qwen35, hybrid_layer_types,  # noqa: E402
@@ -72,7 +73,7 @@ def test_gated_attention_is_its_formula_on_every_path(factor, r, record_diff):
     for what, got in [('fused', fused), ('explicit', explicit), ('KVCache', steps), ('StaticKVCache', padded[:, 4:])]:
         assert record_diff(f'GatedAttention {what}', 'formula', got, ref) < 1e-12, what
     assert torch.allclose(weights.sum(-1), torch.ones((), dtype=F64))
-    assert attn._gate is None                                          # the gate never outlives its call
+    assert not hybrid._GATES.get({})                                   # the gate never outlives its call
 
 
 def test_gated_attention_without_gate_and_full_rope_is_llama_attention():
@@ -367,3 +368,23 @@ def test_from_hf_finds_qwen35_without_importing_the_hybrid_page(qwen35_pair):
               f"model = from_hf({str(folder)!r})\nprint(type(model).__name__)")
     out = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == 'Qwen35', out.stdout + out.stderr[-2000:]
+
+
+def test_the_gate_of_one_call_never_reaches_another():
+    """Between _qkv and _merge_heads the gate waits in a context variable keyed by the module: threads calling one
+    module at once each get their own gate (on the module, a thread could take another's), and none stays behind."""
+    import threading
+    torch.manual_seed(0)
+    attn = GatedAttention(32, 64, 4, 2, 8, partial_rotary_factor=0.5).double().eval()
+    xs = [torch.randn(2, 16, 32, dtype=torch.float64) for _ in range(6)]
+    with torch.no_grad(): alone = [attn(x) for x in xs]
+    got, start = [None] * len(xs), threading.Barrier(len(xs))
+    def work(i):
+        start.wait()
+        with torch.no_grad():
+            for _ in range(20): got[i] = attn(xs[i])
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(xs))]
+    for t in threads: t.start()
+    for t in threads: t.join()
+    assert all((g - a).abs().max() < 1e-12 for g, a in zip(got, alone))
+    assert not hybrid._GATES.get({}) and not hasattr(attn, '_gate')

@@ -252,6 +252,9 @@ def test_latent_attention_takes_the_three():
     from selfattn_nbdev.generation import KVCache
     with pytest.raises(ValueError, match='mask_mod and score_mod'):
         m(x, cache=KVCache(), score_mod=identity)
+    m.dropout = 0.1
+    with pytest.raises(ValueError, match="attention_kernel\\('block'\\).*drops no weights"):
+        m.train()(x, score_mod=identity)
 
 
 def test_qwen35_takes_scores_not_masks():

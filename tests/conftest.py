@@ -74,3 +74,43 @@ def make(name, d_in=3, d_out=4, context_length=8, num_heads=2, dropout=0.0, dtyp
     torch.manual_seed(seed)
     factory, _ = FACTORIES[name]
     return factory(d_in, d_out, context_length, num_heads, dropout).to(dtype).eval()
+
+
+# ---- transformers' models with the package's layers inside (tests/test_linear.py, tests/test_hybrid.py) ----
+
+def left_padded_batch(vocab, T=80, pad=7, seed=1):
+    "Two rows of token ids and their attention mask, the first left-padded: longer than a delta-rule chunk of 64."
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (2, T), generator=gen)
+    mask = torch.ones(2, T, dtype=torch.long)
+    ids[0, :pad], mask[0, :pad] = 0, 0
+    return ids, mask
+
+
+def with_package_linear_layers(model, expected: int):
+    "A copy of a Qwen3-Next / Qwen3.5 (MoE) model whose linear-attention layers are the package's, same weights."
+    import copy
+    from selfattn_nbdev.linear import GatedDeltaNet
+    ours = copy.deepcopy(model)
+    swapped = 0
+    for i, block in enumerate(ours.model.layers):
+        if hasattr(block, 'linear_attn'):
+            layer = GatedDeltaNet.from_config(ours.config, layer_idx=i)
+            layer.load_state_dict(block.linear_attn.state_dict())   # strict: every name matches
+            block.linear_attn, swapped = layer, swapped + 1
+    assert swapped == expected, swapped
+    return ours
+
+
+def check_against_transformers(theirs, ours, ids, mask, record_diff, what):
+    "Logits on a left-padded batch, 16 greedy tokens against the original model, cached against uncached."
+    real = mask.bool()
+    gen = dict(attention_mask=mask, max_new_tokens=16, min_new_tokens=16, do_sample=False)
+    with torch.no_grad():
+        a, b = theirs(ids, attention_mask=mask).logits, ours(ids, attention_mask=mask).logits
+        want, got = theirs.generate(ids, **gen), ours.generate(ids, **gen)
+        uncached = ours.generate(ids, use_cache=False, **gen)
+    assert record_diff(what + ' logits', 'transformers', a[real], b[real]) < 1e-5
+    assert torch.equal(got, want), 'greedy tokens differ from transformers'
+    assert torch.equal(uncached, got), 'cached and uncached generation differ'
+    assert got.shape[1] == ids.shape[1] + 16

@@ -13,6 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf_ds  # noqa: E402
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf_qwen35  # noqa: E402
 
+from conftest import check_against_transformers, left_padded_batch, with_package_linear_layers  # noqa: E402
 from selfattn_nbdev import hybrid  # noqa: E402
 from selfattn_nbdev.decoding import StaticKVCache, generate  # noqa: E402
 from selfattn_nbdev.generation import KVCache  # noqa: E402
@@ -212,15 +213,6 @@ def test_bad_inputs_are_named(tiny64, call, error, message):
 
 # --- Qwen3.5 loaded natively, against transformers --------------------------------------------------------------------
 
-def left_padded_batch(vocab, T=80, pad=7, seed=1):
-    "Two rows, the first left-padded: longer than a delta-rule chunk of 64 when T = 80."
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, vocab, (2, T), generator=gen)
-    mask = torch.ones(2, T, dtype=torch.long)
-    ids[0, :pad], mask[0, :pad] = 0, 0
-    return ids, mask
-
-
 @pytest.fixture(scope='module')
 def qwen35_pair(tmp_path_factory):
     "transformers' tiny Qwen3.5 (float32, weights away from init), saved; the package's from from_hf(folder)."
@@ -275,20 +267,6 @@ def test_qwen35_greedy_tokens_equal_transformers_cached_and_uncached(qwen35_pair
 
 # --- the package's blocks inside transformers ---------------------------------------------------------------------------
 
-def check_swapped(theirs, ours, ids, mask, record_diff, what):
-    "Logits on the left-padded batch, 16 greedy tokens against the original model, cached against uncached."
-    real = mask.bool()
-    gen = dict(attention_mask=mask, max_new_tokens=16, min_new_tokens=16, do_sample=False)
-    with torch.no_grad():
-        a, b = theirs(ids, attention_mask=mask).logits, ours(ids, attention_mask=mask).logits
-        want, got = theirs.generate(ids, **gen), ours.generate(ids, **gen)
-        uncached = ours.generate(ids, use_cache=False, **gen)
-    assert record_diff(what + ' logits', 'transformers', a[real], b[real]) < 1e-5
-    assert torch.equal(got, want), 'greedy tokens differ from transformers'
-    assert torch.equal(uncached, got), 'cached and uncached generation differ'
-    assert got.shape[1] == ids.shape[1] + 16
-
-
 def test_gated_delta_net_inside_transformers_qwen3_5_moe(record_diff):
     torch.manual_seed(0)
     config = AutoConfig.for_model('qwen3_5_moe_text', vocab_size=128, hidden_size=64, num_hidden_layers=4,
@@ -297,15 +275,9 @@ def test_gated_delta_net_inside_transformers_qwen3_5_moe(record_diff):
                                   num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                   shared_expert_intermediate_size=32, max_position_embeddings=256, eos_token_id=None)
     theirs = perturb(AutoModelForCausalLM.from_config(config, dtype=torch.float32), 0.05).eval()
-    ours = copy.deepcopy(theirs)
-    swapped = 0
-    for i, block in enumerate(ours.model.layers):
-        if hasattr(block, 'linear_attn'):
-            layer = GatedDeltaNet.from_config(ours.config, layer_idx=i)
-            layer.load_state_dict(block.linear_attn.state_dict())       # strict: every name matches
-            block.linear_attn, swapped = layer, swapped + 1
-    assert swapped == 3 and ours.model.layers[0].linear_attn.layout == 'qwen3_5'
-    check_swapped(theirs, ours, *left_padded_batch(128), record_diff, 'qwen3_5_moe_text')
+    ours = with_package_linear_layers(theirs, expected=3)
+    assert ours.model.layers[0].linear_attn.layout == 'qwen3_5'
+    check_against_transformers(theirs, ours, *left_padded_batch(128), record_diff, 'qwen3_5_moe_text')
 
 
 def package_sparse_attention(attn):
@@ -351,7 +323,7 @@ def test_package_sparse_attention_inside_transformers_deepseek_v32(record_diff):
     ours = copy.deepcopy(theirs)
     for block in ours.model.layers: block.self_attn.forward = package_sparse_attention(block.self_attn)
     ids, mask = left_padded_batch(97, T=30, pad=9)                        # 21 and 30 tokens, k = 6
-    check_swapped(theirs, ours, ids, mask, record_diff, 'deepseek_v32')
+    check_against_transformers(theirs, ours, ids, mask, record_diff, 'deepseek_v32')
     dense = copy.deepcopy(theirs)
     for block in dense.model.layers:                                       # every key: sparsity mattered
         block.self_attn.indexer.index_topk = 30

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 transformers = pytest.importorskip('transformers')
+from conftest import check_against_transformers, left_padded_batch, with_package_linear_layers  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 from transformers.models.kimi_linear import modeling_kimi_linear as hf_kimi  # noqa: E402
 from transformers.models.qwen3_next import modeling_qwen3_next as hf_next  # noqa: E402
@@ -149,21 +150,6 @@ def tiny(model_type: str):
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
 
-def with_package_layers(model):
-    "A copy of a Qwen3-Next / Qwen3.5 model whose linear-attention layers are the package's, same weights."
-    import copy
-    ours = copy.deepcopy(model)
-    swapped = 0
-    for i, block in enumerate(ours.model.layers):
-        if hasattr(block, 'linear_attn'):
-            layer = GatedDeltaNet.from_config(ours.config, layer_idx=i)
-            layer.load_state_dict(block.linear_attn.state_dict())   # strict: every name matches
-            block.linear_attn = layer
-            swapped += 1
-    assert swapped == 3, swapped
-    return ours
-
-
 @pytest.fixture
 def kimi_with_package_kernels(monkeypatch):
     "Kimi Linear's KDA kernels replaced by the package's chunk_kda / fused_recurrent_kda (its layer is its own)."
@@ -183,41 +169,17 @@ def kimi_with_package_kernels(monkeypatch):
     return install
 
 
-def batch():
-    "Two rows, the first left-padded by 7, 80 tokens: longer than a chunk of 64."
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, 128, (2, 80), generator=gen)
-    mask = torch.ones(2, 80, dtype=torch.long)
-    ids[0, :7], mask[0, :7] = 0, 0
-    return ids, mask
-
-
-def check_model(theirs, ours, record_diff, what):
-    ids, mask = batch()
-    with torch.no_grad():
-        real = mask.bool()
-        a, b = theirs(ids, attention_mask=mask).logits, ours(ids, attention_mask=mask).logits
-        assert record_diff(what + ' logits', 'transformers', a[real], b[real]) < 1e-5
-        gen = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, min_new_tokens=16)
-        want = theirs.generate(ids, **gen)
-        got = ours.generate(ids, **gen)
-        uncached = ours.generate(ids, use_cache=False, **gen)
-    assert torch.equal(got, want), 'greedy tokens differ from transformers'
-    assert torch.equal(uncached, got), 'cached and uncached generation differ'
-    assert got.shape[1] == 96
-
-
 @pytest.mark.parametrize('model_type', ['qwen3_next', 'qwen3_5_text'])
 def test_package_layer_inside_transformers(model_type, record_diff):
     theirs = tiny(model_type)
-    ours = with_package_layers(theirs)
+    ours = with_package_linear_layers(theirs, expected=3)
     assert all(type(b.linear_attn) is GatedDeltaNet for b in ours.model.layers if hasattr(b, 'linear_attn'))
-    check_model(theirs, ours, record_diff, model_type)
+    check_against_transformers(theirs, ours, *left_padded_batch(128), record_diff, model_type)
 
 
 def test_package_kernels_inside_kimi_linear(kimi_with_package_kernels, record_diff):
     theirs = tiny('kimi_linear')
-    ids, mask = batch()
+    ids, mask = left_padded_batch(128)
     with torch.no_grad():
         reference = theirs(ids, attention_mask=mask).logits
         hf_gen = theirs.generate(ids, attention_mask=mask, max_new_tokens=16, min_new_tokens=16, do_sample=False)

@@ -268,3 +268,25 @@ def test_qwen35_takes_scores_not_masks():
         assert (model(ids, scale=0.05) - model(ids)).abs().max() > 1e-9
     with pytest.raises(ValueError, match='Qwen35 takes no mask_mod'):
         model(ids, mask_mod=prefix_lm)
+
+
+@pytest.mark.slow  # compiles FlexAttention for a predicate and a score function (about 40 s on 2 cores)
+def test_compiled_flex_takes_a_callers_functions_and_compiles_them_once():
+    """Compiled FlexAttention (flex_mode('compiled'), on a CPU from FLEX_SHORTEST tokens) with a caller's predicate
+    that reads a tensor and a score function: equal to the explicit path in float32, and a new predicate of the same
+    form (a fresh closure over another tensor) reuses the compiled kernel rather than compiling again."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = MultiHeadAttention(32, 32, 256, num_heads=4, num_kv_heads=2).eval()
+    x = torch.randn(2, 256, 32)
+    def prefix_lm_of(lengths):
+        def prefix_lm(b, h, q_idx, kv_idx): return (kv_idx <= q_idx) | (kv_idx < lengths[b])
+        return prefix_lm
+    counters = torch._dynamo.utils.counters['stats']
+    with torch.no_grad(), M.flex_mode('compiled'):
+        for i, lengths in enumerate([torch.tensor([9, 40]), torch.tensor([100, 3]), torch.tensor([0, 256])]):
+            kw = dict(mask_mod=prefix_lm_of(lengths), score_mod=ALIBI)
+            out, ref = m(x, **kw), m(x, return_attn_weights=True, **kw)[0]
+            assert (out - ref).abs().max() < 1e-5, i
+            if i == 0: graphs = counters['unique_graphs']
+    assert counters['unique_graphs'] == graphs       # the second and third predicates compiled nothing new

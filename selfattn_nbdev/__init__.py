@@ -31,6 +31,7 @@ from .modern import repeat_kv, window_mask, rope_angles, apply_rope
 from .masks import (and_masks, attention_kernel, causal, dense_mask,
                                   documents, key_padding, or_masks, sliding_window)
 from .tiled import tiled_attention
+from . import mods as _mods  # MultiHeadAttention's 'block' path
 from .explorer import AttentionExplorer, package_attention
 
 _all_ = ['SelfAttention', 'check_tokens', 'check_size', 'check_flag', 'check_count',

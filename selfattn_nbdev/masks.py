@@ -329,6 +329,7 @@ def flex_attend(
     compiled:bool=True, # torch.compile the kernel and the builder; False: reference
     reads:tuple=(), # the batch's tensors mask_mod reads (padding, document ids)
     score_mod:Callable|None=None, # changes each score: (s, b, h, q_idx, kv_idx) -> s
+    heads:int|None=None, # ask mask_mod about each query head; None: one for all
 ) -> Tensor: # context vectors (b, num_heads, T, head_dim)
     "FlexAttention with a block mask built once per predicate and length, or per batch."
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -354,7 +355,7 @@ def flex_attend(
         build = (_flex['compiled'][1] if compiled and not torch.compiler.is_compiling()
                  else create_block_mask)  # compiled: faster, keeps nothing per length
         with _room(build is not create_block_mask):
-            block = build(mask_mod, b if per_batch else None, None, T, S,
+            block = build(mask_mod, b if per_batch else None, heads, T, S,
                           device=queries.device)
         if not per_batch:
             with _flex['lock']:
@@ -548,14 +549,15 @@ def _allowed(self:MultiHeadAttention,
              document_ids:Tensor|None=None, # int (b, num_keys): packed documents
              mask_mod:Callable|None=None, # the caller's: see _mask_mod
              batch:int=1, # rows a mask_mod of the caller's is asked about
-            ) -> Tensor|None: # bool (b | 1, 1, T, num_keys), True = attend; or None
+            ) -> Tensor|None: # bool (b | 1, heads | 1, T, num_keys), True = attend
     "Where each query may attend: the module's predicate, asked about every pair."
     predicate = self._mask_mod(key_padding_mask, document_ids, mask_mod)
     if predicate is None: return None
     rows = [t.shape[0] for t in (key_padding_mask, document_ids) if t is not None]
     rows = batch if mask_mod is not None else (rows or [1])[0]
-    return dense_mask(predicate, num_tokens, num_keys, rows,
-                      device=self.W_query.weight.device)
+    heads = 1 if mask_mod is None else self.num_heads  # yours may read h: each head
+    return dense_mask(predicate, num_tokens, num_keys, rows, heads,  # (a mask that
+                      device=self.W_query.weight.device)  # does not: broadcast, 1)
 
 # %% ../nbs/10_masks.ipynb #sc0re002
 def _tile_index(
@@ -697,7 +699,8 @@ def _attend_flex(self:MultiHeadAttention, queries, keys, values, key_padding_mas
     predicate = self._mask_mod(key_padding_mask, document_ids, mask_mod)
     return flex_attend(queries, keys, values, predicate or _everywhere, form,
                        compiled=compiled, score_mod=self._score_mod(score_mod),
-                       reads=() if plain else (key_padding_mask, document_ids))
+                       reads=() if plain else (key_padding_mask, document_ids),
+                       heads=None if mask_mod is None else self.num_heads)
 
 @patch
 def _attend_unfused(self:MultiHeadAttention, queries, keys, values, # (b, h|kv, T, hd)
@@ -787,9 +790,9 @@ def _check_mods(mask_mod, score_mod, scale, cache) -> None:
         if f is not None and not callable(f):
             raise TypeError(f"{name} must be None or a function {form}; "
                             f"got {type(f).__name__}")
-    if scale is not None and (isinstance(scale, bool) or not
-                              isinstance(scale, numbers.Real) or not scale > 0):
-        raise ValueError(f"scale must be None or a number > 0; got {scale!r}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(
+            scale, numbers.Real) or not math.isfinite(scale)):
+        raise ValueError(f"scale must be None or a finite number; got {scale!r}")
     if cache is not None and (mask_mod is not None or score_mod is not None):
         raise ValueError("mask_mod and score_mod apply to whole sequences (training, "
                          "scoring); with a cache, the cache's own mask holds: call "

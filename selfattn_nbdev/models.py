@@ -809,7 +809,8 @@ class LatentAttention(nn.Module):
             _refuse_kernel('block', "the tiled kernel drops no weights")
         (b, _, T, _), S = queries.shape, keys.shape[2]   # no cache here: T == S
         tiles = block_mask(causal if mask_mod is None else mask_mod, T, S, 64,
-                           1 if mask_mod is None else b, device=queries.device)
+                           *((1, 1) if mask_mod is None else (b, self.num_heads)),
+                           device=queries.device)
         return tiled_attention(queries, keys, values, block_mask=tiles,
                                score_mod=score_mod, scale=scale)  # (b, h, T, v_dim)
 
@@ -839,8 +840,8 @@ class LatentAttention(nn.Module):
         allowed = None
         if cache is not None: latent, allowed = self._cached(cache, latent)
         S = latent.shape[2]
-        if mask_mod is not None:  # yours, in place of causal: (b, 1, T, S)
-            allowed = dense_mask(mask_mod, T, S, b, device=x.device)
+        if mask_mod is not None:  # yours, in place of causal: (b, h | 1, T, S)
+            allowed = dense_mask(mask_mod, T, S, b, self.num_heads, device=x.device)
         elif allowed is None and T > 1: allowed = ~causal_mask(T, x.device, S)
         dropout = self.dropout if self.training else 0.0
         scale = self.scale if scale is None else scale

@@ -363,12 +363,13 @@ def _attend_sunk(self:LlamaAttention, queries, keys, values, key_padding_mask=No
     group = self.num_heads // kv
     if cached and torch.is_grad_enabled():  # a cache writes its storage in place
         keys, values = keys.clone(), values.clone()  # before backward reads these
-    if score_mod is None:  # GQA by broadcasting: a head group shares its keys
+    yours = score_mod is not None or mask_mod is not None  # functions that may read h
+    if not yours:  # GQA by broadcasting: a head group shares its keys
         queries = queries.unflatten(1, (kv, group)).transpose(0, 1)  # (kv,b,g,T,hd)
         keys, values = (t.transpose(0, 1)[:, :, None]  # (kv, b, 1, S, hd), no copy:
                         for t in (keys, values))        # the mask's (b, 1) meets (b, g)
         heads = lambda t: t.transpose(0, 1).flatten(1, 2)  # (kv, b, g, ..) -> (b, h,..)
-    else:  # a score function of the caller's reads h: each query head in its place
+    else:  # the caller's functions may read h: each query head in its place
         keys, values = repeat_kv(keys, group), repeat_kv(values, group)
         heads = lambda t: t
     plain = (allowed is None and key_padding_mask is None and document_ids is None
@@ -382,6 +383,7 @@ def _attend_sunk(self:LlamaAttention, queries, keys, values, key_padding_mask=No
                    and mask_mod is None)
     rows = allowed.shape[0] if allowed is not None else b if per_row else 1
     tiles = None if plain else block_mask(predicate, T, S, SINK_BLOCK, rows,
+                                          self.num_heads if mask_mod else 1,
                                           device=queries.device, q_offset=q_offset)
     context, lse = tiled_attention(queries, keys, values, plain and self.causal,
                                    SINK_BLOCK, tiles, self._score_mod(score_mod),

@@ -13,11 +13,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from .core import check_flag, check_size, patch
-from .masks import (EMPTY, FULL, PARTIAL, TileMask, _refuse_kernel,
-                                  _tile_index, block_mask)
-from .multihead import MultiHeadAttention
-from .modern import repeat_kv
+from .core import check_flag, check_size
+from .masks import EMPTY, FULL, PARTIAL, TileMask, _tile_index, block_mask
 
 # %% ../nbs/11_tiled.ipynb #a6c31b2e
 def online_softmax_step(
@@ -385,28 +382,3 @@ def _check_score_changes(score_mod, sinks, queries:Tensor) -> None:
         raise ValueError(f"sinks must have shape (heads,) beside queries (batch, "
                          f"heads, num_tokens, head_dim); got sinks "
                          f"{tuple(sinks.shape)} and queries {tuple(queries.shape)}")
-
-# %% ../nbs/11_tiled.ipynb #b10c0002
-_attend_explicitly = MultiHeadAttention._attend_unfused  # the masks page's: explicit
-
-@patch
-def _attend_unfused(self:MultiHeadAttention, queries, keys, values, # (b, h|kv, T, hd)
-                    key_padding_mask, document_ids, mask_mod, score_mod, # the call's
-                    kernel:str, # 'block' or 'explicit'
-                   ) -> Tensor: # (b, heads, T, head_dim)
-    "'block': tiled_attention with the module's predicate as its block mask."
-    if kernel != 'block':
-        return _attend_explicitly(self, queries, keys, values, key_padding_mask,
-                                  document_ids, mask_mod, score_mod, kernel)
-    if self.training and self.dropout.p:
-        _refuse_kernel('block', "the tiled kernel drops no weights")
-    (b, _, T, _), S = queries.shape, keys.shape[2]
-    group = self.num_heads // self.num_kv_heads   # h: the query head, as Flex gives it
-    keys, values = repeat_kv(keys, group), repeat_kv(values, group)  # (b, h, S, hd)
-    predicate = self._mask_mod(key_padding_mask, document_ids, mask_mod)
-    per_row = not (key_padding_mask is None and document_ids is None
-                   and mask_mod is None)
-    tiles = None if predicate is None else block_mask(
-        predicate, T, S, 64, b if per_row else 1, device=queries.device)
-    return tiled_attention(queries, keys, values, block_mask=tiles,
-                           score_mod=self._score_mod(score_mod))

@@ -235,7 +235,7 @@ CASES = {
     'attention_kernel name': (lambda: M.attention_kernel('fast').__enter__(), ValueError, ['kernel', "'fast'"]),
     'MHA mask_mod': (lambda: MultiHeadAttention(4, 8, 8)(X, mask_mod='causal'), TypeError, ['mask_mod', 'str']),
     'MHA score_mod': (lambda: MultiHeadAttention(4, 8, 8)(X, score_mod=3), TypeError, ['score_mod', 'int']),
-    'MHA scale': (lambda: MultiHeadAttention(4, 8, 8)(X, scale=0), ValueError, ['scale', '0']),
+    'MHA scale': (lambda: MultiHeadAttention(4, 8, 8)(X, scale=float('inf')), ValueError, ['scale', 'inf']),
     'MHA scale bool': (lambda: MultiHeadAttention(4, 8, 8)(X, scale=True), ValueError, ['scale', 'True']),
     'MHA mask_mod cache': (lambda: MultiHeadAttention(4, 8, 8)(X, mask_mod=M.causal, cache=KVCache()), ValueError,
                            ['mask_mod', 'cache']),

@@ -172,9 +172,9 @@ def test_one_warning_for_a_large_call_on_the_explicit_path(monkeypatch):
 
 def test_a_large_score_function_with_a_backward_goes_tiled(monkeypatch):
     "From BLOCK_MIN_PAIRS pairs, a score function on a CPU with a backward takes the tiled kernel, and says nothing."
-    import selfattn_nbdev.tiled as tiled
-    calls, real = [], tiled.tiled_attention
-    monkeypatch.setattr(tiled, 'tiled_attention', lambda *a, **k: calls.append(1) or real(*a, **k))
+    import selfattn_nbdev.mods as mods
+    calls, real = [], mods.tiled_attention
+    monkeypatch.setattr(mods, 'tiled_attention', lambda *a, **k: calls.append(1) or real(*a, **k))
     monkeypatch.setattr(M, '_said', set())
     m = MultiHeadAttention(4, 4, 2048, num_heads=1)
     with warnings.catch_warnings():
@@ -290,3 +290,33 @@ def test_compiled_flex_takes_a_callers_functions_and_compiles_them_once():
             assert (out - ref).abs().max() < 1e-5, i
             if i == 0: graphs = counters['unique_graphs']
     assert counters['unique_graphs'] == graphs       # the second and third predicates compiled nothing new
+
+
+def per_head(b, h, q_idx, kv_idx): return (kv_idx <= q_idx) & (q_idx - kv_idx <= h + 1)   # head h: h + 2 tokens
+
+
+def test_a_predicate_may_read_the_head():
+    """Head h sees its h + 2 latest tokens: every path asks a caller's predicate about each query head (a predicate
+    that ignores h costs nothing more: its answer broadcasts). The explicit path's weights are zero exactly where the
+    predicate says so, head by head, and every other path equals it."""
+    allowed = per_head(0, torch.arange(H)[:, None, None], torch.arange(T)[:, None], torch.arange(T))  # (H, T, T)
+    for kind in ('mha', 'gemma'):
+        m = module(kind)
+        x = torch.randn(B, T, D, dtype=torch.float64)
+        with torch.no_grad():
+            _, w = m(x, mask_mod=per_head, return_attn_weights=True)
+            assert ((w > 0) == allowed).all()
+        kw = dict(mask_mod=per_head)
+        for path in ('dense', 'block', 'flex_eager') if kind == 'mha' else ('block', 'flex_eager'):
+            ours, ref = run(m, kw, path, path != 'flex_eager'), run(m, kw, None, path != 'flex_eager')
+            assert max((a - b).abs().max().item() for a, b in zip(ours, ref)) < 1e-12, (kind, path)
+    torch.manual_seed(0)
+    sunk = LlamaAttention(D, T, H, KV, sinks=True).double()                # the sinks' tiled path
+    with torch.no_grad(): sunk.sinks.normal_()
+    assert max((a - b).abs().max().item() for a, b in zip(run(sunk, kw), run(sunk, kw, None))) < 1e-12
+    from selfattn_nbdev.models import LatentAttention
+    mla = LatentAttention(16, T, H, kv_rank=8, rope_dim=4, nope_dim=4, v_dim=4).double()
+    with torch.no_grad():
+        x = torch.randn(B, T, 16, dtype=torch.float64)
+        dense, tiled = mla(x, mask_mod=per_head), mla(x, mask_mod=per_head, score_mod=identity)
+        assert (dense - tiled).abs().max() < 1e-12 and (dense - mla(x)).abs().max() > 1e-6

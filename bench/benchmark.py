@@ -199,6 +199,13 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def provenance(script: str) -> dict:
+    "Where and how a result was measured: the machine, torch, Python, the date, and the command that reruns it."
+    return dict(machine=dict(cpu_model=cpu_model(), cpu_count=os.cpu_count()), torch=torch.__version__,
+                python=platform.python_version(), date=datetime.date.today().isoformat(),
+                command='python ' + ' '.join(shlex.quote(a) for a in [os.path.relpath(script, ROOT)] + sys.argv[1:]))
+
+
 def slope(xs, ys) -> float:
     "Least-squares slope of log(ys) against log(xs): the scaling exponent."
     lx, ly = [math.log(v) for v in xs], [math.log(v) for v in ys]

@@ -10,14 +10,14 @@ Where tiled_attention starts to win is masks.BLOCK_MIN_PAIRS (2,048 tokens, 2,04
 kernel choice keeps the explicit path, from it the tiled one (and its memory for one tile). Ratios are printed from
 one run; nothing here is asserted.
 """
-import argparse, datetime, json, math, os, platform, shlex, sys, time
+import argparse, json, math, os, sys, time
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.benchmark import cpu_model  # noqa: E402
+from bench.benchmark import provenance  # noqa: E402
 from selfattn_nbdev.masks import BLOCK_MIN_PAIRS  # noqa: E402
 from selfattn_nbdev.tiled import alibi, alibi_slopes, tiled_attention  # noqa: E402
 
@@ -63,10 +63,7 @@ def main():
                        tiled_over_explicit=best['tiled'] / best['explicit'])
         print(f"T={T:5d}  explicit {runs[T]['explicit_ms']:8.1f} ms   tiled {runs[T]['tiled_ms']:8.1f} ms   "
               f"tiled / explicit {runs[T]['tiled_over_explicit']:.2f}")
-    out = dict(machine=dict(cpu_model=cpu_model(), cpu_count=os.cpu_count()), device='cpu', dtype='float32',
-               torch=torch.__version__, python=platform.python_version(), threads=1,
-               date=datetime.date.today().isoformat(),
-               command='python ' + ' '.join(shlex.quote(a) for a in [os.path.relpath(__file__, ROOT)] + sys.argv[1:]),
+    out = dict(**provenance(__file__), device='cpu', dtype='float32', threads=1,
                shape=dict(batch=1, num_heads=HEADS, head_dim=HEAD_DIM, causal=True, score_mod='ALiBi',
                           step='forward and backward'),
                block_min_pairs=BLOCK_MIN_PAIRS, repetitions=REPS, best_of='each length: the fastest of the runs',

@@ -14,14 +14,14 @@ warm-up call and malloc_trim, minus the size just before the step). Each case ru
 turns, and the median is reported (the baseline moves by several MiB from run to run on a shared machine); one
 torch thread; the time of the step is printed beside it, not asserted anywhere.
 """
-import argparse, datetime, json, os, platform, shlex, statistics, subprocess, sys, time
+import argparse, json, os, statistics, subprocess, sys, time
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.benchmark import cpu_model  # noqa: E402
+from bench.benchmark import provenance  # noqa: E402
 from bench.memory_tiled import PeakRSS  # noqa: E402
 from selfattn_nbdev.recent import LlamaAttention  # noqa: E402
 
@@ -79,10 +79,7 @@ def main():
     ratio = runs['sinks']['peak_bytes'] / runs['no_sinks']['peak_bytes']
     print(f"with sinks / without: {ratio:.2f}x (target <= 1.2); explicit path / without: "
           f"{runs['sinks_explicit']['peak_bytes'] / runs['no_sinks']['peak_bytes']:.1f}x")
-    out = dict(machine=dict(cpu_model=cpu_model(), cpu_count=os.cpu_count()), device='cpu', dtype='float32',
-               torch=torch.__version__, python=platform.python_version(), threads=1,
-               date=datetime.date.today().isoformat(),
-               command='python ' + ' '.join(shlex.quote(a) for a in [os.path.relpath(__file__, ROOT)] + sys.argv[1:]),
+    out = dict(**provenance(__file__), device='cpu', dtype='float32', threads=1,
                load_average_at_start=os.getloadavg()[0],
                shape=dict(batch=1, num_tokens=T, d_model=D_MODEL, num_heads=HEADS, num_kv_heads=KV_HEADS,
                           head_dim=D_MODEL // HEADS, causal=True, step='forward and backward'),

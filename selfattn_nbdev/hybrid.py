@@ -15,9 +15,7 @@ from torch import Tensor, nn
 from .core import check_flag, check_size, check_token_ids, patch
 from .generation import TinyGPT, _check_cache
 from .decoding import project
-from .modern import _shared_table, rope_rotate
-from .recent import (RESCALINGS, LlamaAttention, _rope_cos_sin,
-                                   check_rope_scaling)
+from .recent import RESCALINGS, LlamaAttention, check_rope_scaling
 from .models import (HF_DEFAULTS, GemmaRMSNorm, SwiGLU, _refuse,
                                    hf_settings)
 from .pretrained import FAMILIES

@@ -6,7 +6,7 @@
 __all__ = ['online_softmax_step', 'online_softmax', 'tiled_attention', 'alibi_slopes', 'alibi']
 
 # %% ../nbs/11_tiled.ipynb #717c9fe9
-import functools, math, numbers
+import math, numbers
 from contextlib import nullcontext
 from typing import Callable
 

@@ -1,0 +1,189 @@
+"""The attention of this round on a CUDA GPU: the chunked gated delta rule against flash-linear-attention's kernel,
+sinks through the log-sum-exp against the explicit path, and absorbed MLA decoding over a long cache.
+
+    python bench/gpu_round.py --out gpu_round.json        # on a CUDA GPU, bfloat16 (about a minute and a half)
+    python bench/gpu_round.py --small                     # anywhere (CPU too): tiny sizes, checks the script
+
+Parts (each written to the JSON as soon as it is measured, so a run cut short keeps what it has):
+
+- `linear`: `chunk_gated_delta_rule` (the package's, chunks of 64, in PyTorch) against flash-linear-attention's
+  Triton `chunk_gated_delta_rule` (`fla.ops.gated_delta_rule`, if importable) and transformers'
+  `torch_chunk_gated_delta_rule`, on a Qwen3-Next layer's heads (16 heads of 128 for q, k and v), batch 1,
+  T = 4,096, bfloat16 inputs, q and k l2-normalised in the kernel; forward, and forward + backward of o.sum();
+  the largest difference of each output from the package's, computed in float32.
+- `sinks`: one causal `LlamaAttention` (d_model 1,024, 16 query heads and 4 key/value heads of 64, RoPE, gpt-oss's
+  sinks) at T = 4,096, batch 1, bfloat16, forward + backward: the path it takes (`tiled_attention` with the
+  log-sum-exp, then `sink_after`) against the same module forced onto the explicit path, and without sinks (SDPA);
+  time and the peak of CUDA memory allocated above what the module and its input hold.
+- `mla`: one `LatentAttention` decode step at DeepSeek-V3's per-head sizes (d_c 512, d_R 64, 16 heads of 128 + 64;
+  d_model 1,024: bench/mla_decode.py's layer) over 32,768 cached tokens, absorbed (through the latents) against
+  rebuilding every cached key and value.
+
+Times are medians of CUDA-synchronised runs after warm-ups. Printed and written, never asserted.
+"""
+import argparse, datetime, json, shlex, statistics, sys, time, traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from selfattn_nbdev.generation import KVCache  # noqa: E402
+from selfattn_nbdev.linear import chunk_gated_delta_rule  # noqa: E402
+from selfattn_nbdev.models import LatentAttention  # noqa: E402
+from selfattn_nbdev.recent import LlamaAttention  # noqa: E402
+
+
+def sync(device):
+    if device.type == 'cuda': torch.cuda.synchronize(device)
+
+
+def timed(fn, device, reps=10, warm=2) -> float:
+    "Median seconds of `fn()` over `reps` synchronised runs, after `warm` runs."
+    for _ in range(warm): fn()
+    sync(device); ts = []
+    for _ in range(reps):
+        t = time.perf_counter(); fn(); sync(device); ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def peak_above(fn, device) -> int:
+    "Bytes of CUDA memory allocated at the peak of `fn()` above what was allocated before it (0 on a CPU)."
+    if device.type != 'cuda': fn(); return 0
+    sync(device); torch.cuda.reset_peak_memory_stats(device); before = torch.cuda.memory_allocated(device)
+    fn(); sync(device)
+    return torch.cuda.max_memory_allocated(device) - before
+
+
+def linear_part(device, dtype, T, result, save):
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+    kernels = {'ours': chunk_gated_delta_rule, 'transformers (torch)': torch_chunk_gated_delta_rule}
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+        import fla; kernels['flash-linear-attention (Triton)'] = fla_chunk; result['fla'] = fla.__version__
+    except Exception as e: result['fla'] = f'not importable: {type(e).__name__}: {e}'[:300]
+    g = torch.Generator(device='cpu').manual_seed(0)
+    H, D = 16, 128
+    make = lambda *shape: torch.randn(*shape, generator=g).to(device, dtype)
+    q, k, v = make(1, T, H, D), make(1, T, H, D), make(1, T, H, D)
+    g_log = -torch.nn.functional.softplus(make(1, T, H).float()).to(dtype)
+    beta = torch.sigmoid(make(1, T, H).float()).to(dtype)
+    leaves = [q, k, v, g_log, beta]
+    rows, ref = {}, None
+    result['linear'] = dict(T=T, batch=1, heads=H, d_k=D, d_v=D, chunk_size=64, rows=rows)
+    for name, fn in kernels.items():
+        r = rows[name] = {}
+        try:
+            call = lambda: fn(q, k, v, g_log, beta, use_qk_l2norm_in_kernel=True)[0]
+            with torch.no_grad(): o = call()
+            ref = o.float() if ref is None else ref
+            r['max_abs_diff_vs_ours'] = (o.float() - ref).abs().max().item()
+            with torch.no_grad(): r['forward_ms'] = timed(call, device) * 1e3
+            save()
+            def train():
+                xs = [t.detach().requires_grad_() for t in leaves]
+                fn(*xs, use_qk_l2norm_in_kernel=True)[0].float().sum().backward()
+            r['forward_backward_ms'] = timed(train, device, reps=5) * 1e3
+        except Exception as e:   # a kernel may refuse its backward (fla on Triton < 3.7.1 on Hopper)
+            r['error'] = f'{type(e).__name__}: {e}'[:500]; traceback.print_exc()
+        print(f"linear {name}: {r}", flush=True)
+        save()
+    ours = rows['ours']
+    for name, r in rows.items():
+        for key in ('forward_ms', 'forward_backward_ms'):
+            if name != 'ours' and key in r and key in ours: r[f'ours / this, {key[:-3]}'] = ours[key] / r[key]
+    save()
+
+
+def sinks_part(device, dtype, T, result, save, d_model=1024, heads=16, kv_heads=4):
+    rows = {}
+    for case in ('sinks, through the log-sum-exp', 'sinks, explicit', 'no sinks (SDPA)'):
+        r = rows[case] = {}
+        try:
+            torch.manual_seed(0)
+            m = LlamaAttention(d_model, T, num_heads=heads, num_kv_heads=kv_heads,
+                               sinks=not case.startswith('no')).to(device, dtype)
+            if case == 'sinks, explicit': m._sinks_tiled = lambda num_tokens: False
+            gen = torch.Generator(device='cpu').manual_seed(1)
+            x = torch.randn(1, T, d_model, generator=gen).to(device, dtype).requires_grad_()
+            w = torch.randn(1, T, d_model, generator=gen).to(device, dtype)
+            def step():
+                m.zero_grad(set_to_none=True); x.grad = None
+                out = m(x); (out.float() * w).sum().backward()
+                return out
+            out = step()
+            r['peak_bytes_above'] = peak_above(step, device)
+            r['forward_backward_ms'] = timed(step, device, reps=5) * 1e3
+            rows[case + ' output'] = out.detach().float()
+            print(f"sinks {case}: {r}", flush=True)
+            del m
+        except Exception as e:
+            r['error'] = f'{type(e).__name__}: {e}'[:500]; traceback.print_exc()
+    a, b = rows.pop('sinks, through the log-sum-exp output', None), rows.pop('sinks, explicit output', None)
+    rows.pop('no sinks (SDPA) output', None)
+    diff = (a - b).abs().max().item() if a is not None and b is not None else None
+    result['sinks'] = dict(T=T, batch=1, d_model=d_model, heads=heads, kv_heads=kv_heads, rows=rows,
+                           max_abs_diff_lse_vs_explicit=diff)
+    save()
+
+
+def mla_part(device, dtype, S, result, save):
+    sizes = dict(d_model=1024, num_heads=16, kv_rank=512, rope_dim=64, nope_dim=128, v_dim=128, q_rank=384)
+    torch.manual_seed(0)
+    layer = LatentAttention(context_length=S + 64, **sizes).to(device, dtype).eval()
+    x = torch.randn(1, 1, sizes['d_model'], device=device, dtype=dtype)
+    half = torch.randn(1, 1, S, (sizes['kv_rank'] + sizes['rope_dim']) // 2, device=device, dtype=dtype)
+    rows, outs = {}, {}
+    for name, absorb in {'absorbed': True, 'rebuilt': False}.items():
+        try:
+            layer._absorbs = lambda T, S, absorb=absorb: absorb
+            def step():
+                cache = KVCache(); cache.append(half, half)     # the same S cached rows every call
+                return layer(x, cache)
+            with torch.no_grad():
+                outs[name] = step().float()
+                fill = timed(lambda: KVCache().append(half, half), device)
+                rows[name] = dict(step_ms=(timed(step, device) - fill) * 1e3)
+            print(f'mla {name}: {rows[name]}', flush=True)
+        except Exception as e:
+            rows[name] = dict(error=f'{type(e).__name__}: {e}'[:500]); traceback.print_exc()
+    del layer._absorbs
+    if len(outs) == 2: rows['absorbed / rebuilt'] = rows['absorbed']['step_ms'] / rows['rebuilt']['step_ms']
+    result['mla'] = dict(cached_tokens=S, sizes=sizes, batch=1, rows=rows,
+                         max_abs_diff=(outs['absorbed'] - outs['rebuilt']).abs().max().item() if len(outs) == 2
+                         else None)
+    save()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    ap.add_argument('--small', action='store_true')
+    ap.add_argument('--out', default=None)
+    ap.add_argument('--part', default='linear,sinks,mla')
+    a = ap.parse_args()
+    cuda = torch.cuda.is_available() and not a.small
+    device = torch.device('cuda' if cuda else 'cpu')
+    dtype = torch.bfloat16 if cuda else torch.float32
+    result = dict(device=torch.cuda.get_device_name() if cuda else 'cpu', dtype=str(dtype).replace('torch.', ''),
+                  torch=torch.__version__, date=datetime.date.today().isoformat(),
+                  command=shlex.join(['python', 'bench/gpu_round.py'] + sys.argv[1:]))
+    try:
+        import transformers; result['transformers'] = transformers.__version__
+    except ImportError: pass
+    out = Path(a.out) if a.out else None
+    save = lambda: out and out.write_text(json.dumps(result, indent=1) + '\n')
+    runs = {'linear': lambda: linear_part(device, dtype, 4096 if cuda else 256, result, save),
+            'sinks': lambda: sinks_part(device, dtype, 4096 if cuda else 128, result, save),
+            'mla': lambda: mla_part(device, dtype, 32768 if cuda else 512, result, save)}
+    for part in a.part.split(','):
+        t = time.perf_counter()
+        try: runs[part]()
+        except Exception as e:
+            result[part + '_error'] = f'{type(e).__name__}: {e}'[:800]; traceback.print_exc(); save()
+        print(f'-- {part}: {time.perf_counter() - t:.0f} s', flush=True)
+    save()
+    if out: print(f'wrote {out}')
+
+
+if __name__ == '__main__':
+    main()

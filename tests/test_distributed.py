@@ -146,15 +146,16 @@ def test_a_failed_save_leaves_no_result_file():
 
 
 def test_bench_counts_what_the_page_says():
-    """bench/distributed.json's counted bytes are the page's formulas: 4 all-reduces of (T, d) for tensor parallelism,
-    the layer's parameters gathered and scattered once for FSDP2 (a test, since the page no longer reads the file)."""
-    bench = json.loads((ROOT/'bench'/'distributed.json').read_text())
-    mha = bench['mha']
+    """bench/distributed.py's counts, run on 2 ranks at small sizes, are the page's formulas: 4 all-reduces of (T, d)
+    for tensor parallelism, the layer's parameters gathered and scattered once for FSDP2."""
+    from bench.distributed import fsdp_rank, tp_rank
+    mha = dict(d_in=32, d_out=32, context_length=16, num_heads=4, num_kv_heads=2, out_bias=False)
+    tp = run_ranks(tp_rank, 2, mha, timeout=120)[0]
     tokens_bytes = mha['context_length'] * mha['d_out'] * 4                   # (b·T, d_out) float32, b = 1
-    assert bench['tp']['calls'] == {'all_reduce': 4} and bench['tp']['bytes'] == 4 * tokens_bytes
+    assert tp['calls'] == {'all_reduce': 4} and tp['bytes'] == 4 * tokens_bytes
     kv_dim = mha['d_out'] // mha['num_heads'] * mha['num_kv_heads']
     params = (2 * mha['d_out'] * mha['d_in'] + 2 * kv_dim * mha['d_in']) * 4  # W_query, out_proj; W_key, W_value
-    assert bench['fsdp']['bytes'] == 2 * params
+    assert run_ranks(fsdp_rank, 2, mha, timeout=120)[0]['bytes'] == 2 * params
 
 
 SCRIPT = re.compile(r'```python\n(# (\w+\.py)\n.*?)```', re.S)

@@ -5,8 +5,6 @@ script the page shows; and every check on one rank in this process, so that cove
 The bars are bounds any correct implementation meets, whatever the CPU: in float32, within 1e-5 of the float64 answer by
 torch.testing's measure with atol = rtol (|a - x| / (1 + |x|)), as PyTorch's own float32 SDPA is; in float64, within
 1e-12 of it."""
-import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +15,6 @@ from selfattn_nbdev.distributed import free_port, run_ranks
 from selfattn_nbdev.ring import check_context_parallel, check_ring_attention
 from test_distributed import scripts, torchrun
 
-ROOT = Path(__file__).resolve().parents[1]
 CASES = [(T, dtype, causal, order, kv_heads) for T in (8, 16, 64) for dtype in (torch.float32, torch.float64)
          for causal in (False, True) for order in ('contiguous', 'zigzag') for kv_heads in (4, 2)]  # 4 query heads
 BAR = {torch.float32: 1e-5, torch.float64: 1e-12}
@@ -130,14 +127,13 @@ def test_context_parallel_refuses_scores_the_ring_does_not_compute():
 
 
 def test_bench_counts_what_the_page_says():
-    """bench/distributed.json's ring bytes are the page's 3R - 2 blocks of keys and values per rank, and four times as
-    many with the 2 key/value heads repeated to the 8 query heads."""
-    bench = json.loads((ROOT/'bench'/'distributed.json').read_text())
-    ring = bench['ring_config']
-    for R, per_rank in bench['ring'].items():
-        R = int(R)
+    """bench/distributed.py's ring, run on 2 and 4 ranks at small sizes, sends the page's 3R - 2 blocks of keys and
+    values per rank, and four times as many with the 2 key/value heads repeated to the 8 query heads."""
+    from bench.distributed import ring_rank
+    ring = dict(num_tokens=64, heads=8, kv_heads=2, head_dim=8)
+    for R in (2, 4):
         block = 2 * ring['kv_heads'] * (ring['num_tokens'] // R) * ring['head_dim'] * 4  # keys, values: float32
-        for r in per_rank:
+        for r in run_ranks(ring_rank, R, ring, timeout=120):
             assert r['bytes'] == (3 * R - 2) * block
             assert r['bytes_heads_repeated'] == ring['heads'] // ring['kv_heads'] * r['bytes']
 

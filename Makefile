@@ -38,9 +38,11 @@ test-slow: $(INSTALLED) ## the tests marked slow: torch.compile, 4 ranks, a whee
 test-quick: $(INSTALLED) ## the edit loop: make test without coverage, `#| slow` cells and tests marked slow
 	$(PYTEST) -q --quick -m 'not slow and not site'
 
-# nbdev's own command, as a contributor types it: every notebook, several to a process, nbdev's worker count
-test-nbdev: $(INSTALLED) ## nbdev_test over every notebook (skips `#| slow` cells), as nbdev's docs run it
-	$(BIN)/nbdev_test
+# nbdev's own command, as a contributor types it: every notebook, several to a process, nbdev's worker count. Each
+# worker runs torch on one thread: nbdev starts as many workers as there are cores, and two of torch's threads to a
+# worker make them wait on each other (a notebook took 134 s that way instead of 14 s on a busy 2-core machine).
+test-nbdev: $(INSTALLED) ## nbdev_test over every notebook (skips `#| slow` cells), as nbdev's docs run it, timed
+	OMP_NUM_THREADS=1 $(BIN)/nbdev_test --timing
 
 test-site: $(INSTALLED) ## build the site, serve it on 127.0.0.1 and walk every page in headless Chromium
 	$(PY) -m pytest -m site -s -q

@@ -4,9 +4,11 @@
 
 Clones the repository's HEAD into a temporary folder with `../shared` beside it, as CI does, and times the steps of
 `.ci/run` one by one: `make install` (the virtual environment and the pinned tools), `make test`, `make test-slow`,
-`make docs` with smalldocs (no Quarto on PATH), `make docs` with Quarto when `--quarto` names one, and
-`make test-site`. For each it records the wall-clock seconds, the CPU seconds of its child processes and, for the
-pytest steps, pytest's own count and seconds and the coverage. The Measurements page reads the JSON.
+`make test-nbdev`, `make docs` with smalldocs (no Quarto on PATH), `make docs` with Quarto when `--quarto` names
+one, and `make test-site`. For each it records the wall-clock seconds, the CPU seconds of its child processes and,
+for the pytest steps, pytest's own count and seconds, the coverage and the seconds of each notebook and test file
+(pytest's --durations, setup, call and teardown summed; with two workers they overlap); for `make test-nbdev`, the
+seconds of each notebook (`nbdev_test --timing`). The Measurements page reads the JSON.
 """
 import argparse, datetime, json, os, platform, re, resource, shlex, subprocess, sys, tempfile, time
 from pathlib import Path
@@ -31,6 +33,12 @@ def step(name: str, args: list, cwd: Path, env: dict, log: Path) -> dict:
     if summary: out['pytest'], out['pytest_seconds'] = summary[-1][0], float(summary[-1][1])
     coverage = re.search(r'Total coverage: ([\d.]+)%', tail)
     if coverage: out['coverage_percent'] = float(coverage.group(1))
+    per_file = {}
+    for seconds, where in re.findall(r'^([\d.]+)s (?:setup|call|teardown)\s+(\S+?)(?:::|\s|$)', res.stdout, re.M):
+        per_file[where] = per_file.get(where, 0) + float(seconds)
+    per_file.update({f'nbs/{nb}': float(t) for nb, t in re.findall(r'^(\S+\.ipynb): (\d+) secs$', res.stdout, re.M)})
+    if per_file: out['seconds_by_file'] = dict(sorted(((k, round(v, 1)) for k, v in per_file.items()),
+                                                      key=lambda kv: -kv[1]))
     print(f"{name:<14} {out['seconds']:7.1f} s  rc {res.returncode}  {out.get('pytest', '')}", flush=True)
     if res.returncode: print(tail, file=sys.stderr)
     return out
@@ -54,12 +62,14 @@ def main():
     result = dict(machine=dict(cpu_model=cpu_model(), cpu_count=os.cpu_count()), python=platform.python_version(),
                   date=datetime.date.today().isoformat(), command=shlex.join(['python', 'bench/ci_times.py'] + sys.argv[1:]),
                   load_average_at_start=os.getloadavg()[0], steps={})
-    steps = [('install', ['make', 'install'], env), ('test', ['make', 'test'], env),
-             ('test-slow', ['make', 'test-slow'], env), ('docs', ['make', 'docs'], env)]
+    timed = env | dict(PYTEST_ADDOPTS='--durations=0 --durations-min=0.5')   # each file's seconds
+    steps = [('install', ['make', 'install'], env), ('test', ['make', 'test'], timed),
+             ('test-slow', ['make', 'test-slow'], timed), ('test-nbdev', ['make', 'test-nbdev'], env),
+             ('docs', ['make', 'docs'], env)]
     if a.quarto:
         steps.append(('docs-quarto', ['make', 'docs'], env | dict(PATH=f"{Path(a.quarto)/'bin'}{os.pathsep}{path}")))
         steps.append(('docs', ['make', 'docs'], env))   # leave the smalldocs site for the walk, as CI builds it
-    if not a.skip_site: steps.append(('test-site', ['make', 'test-site'], env))
+    if not a.skip_site: steps.append(('test-site', ['make', 'test-site'], timed))
     for name, args, step_env in steps:
         if name == 'docs' and name in result['steps']:
             subprocess.run(args, cwd=clone, env=step_env, capture_output=True)

@@ -25,8 +25,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def pytest_addoption(parser):
-    parser.getgroup('notebooks').addoption(
-        '--quick', action='store_true', help="skip notebook cells flagged with settings.ini's tst_flags (`#| slow`)")
+    group = parser.getgroup('notebooks')
+    group.addoption('--quick', action='store_true', help="skip notebook cells flagged with settings.ini's tst_flags (`#| slow`)")
+    group.addoption('--cell-times', metavar='FILE', help='append each code cell\'s seconds to FILE, one tab-separated '
+                    'line a cell: notebook, cell number (from 1, as nbdev counts), seconds, its first line of code')
 
 
 def pytest_configure(config):
@@ -84,7 +86,10 @@ class Notebook(pytest.Item):
         run = [c for c in nb.cells if not self.skipped(c, flags)]
         saved = [c.get('outputs', []) for c in run]
         for c in run: c.outputs = []
-        outputs, error = _run_in_child(path, nb, {id(c) for c in run})
+        outputs, error, seconds = _run_in_child(path, nb, {id(c) for c in run})
+        if report := self.config.getoption('cell_times'):
+            with open(report, 'a') as f:   # one short write a notebook: workers may share the file
+                f.write(''.join(f'{path.name}\t{n}\t{t:.2f}\t{head}\n' for n, t, head in seconds))
         if error: raise NotebookFailure(error)
         for c, out in zip(run, outputs): c.outputs = out
         problems = [p for c, s in zip(run, saved) if (p := compare(c, s))]
@@ -132,11 +137,12 @@ def _guard_figure_text(shell, problems: list, path: Path) -> None:
     FigureCanvasBase.print_figure = checked
 
 
-def _run_in_child(path: Path, nb, todo: set) -> tuple[list, str | None]:
-    """Execute the cells of `nb` whose id is in `todo`, in a forked copy of this process; return their outputs, or
-    the failure. A notebook sets things for its whole process (matplotlib's rc and font state, torch's print options,
-    seeds); in a fork, none of it reaches the next notebook that this xdist worker runs."""
-    import multiprocessing, sys
+def _run_in_child(path: Path, nb, todo: set) -> tuple[list, str | None, list]:
+    """Execute the cells of `nb` whose id is in `todo`, in a forked copy of this process; return their outputs, the
+    failure or None, and each cell run's (number, seconds, first line). A notebook sets things for its whole process
+    (matplotlib's rc and font state, torch's print options, seeds); in a fork, none of it reaches the next notebook
+    that this xdist worker runs."""
+    import multiprocessing, sys, time
     from execnb.shell import CaptureShell  # with matplotlib and IPython: imported once here, not in every child
     reader, writer = multiprocessing.get_context('fork').Pipe(duplex=False)
     def child():
@@ -146,21 +152,27 @@ def _run_in_child(path: Path, nb, todo: set) -> tuple[list, str | None]:
         _guard_figure_text(shell, small_text, path)
         os.environ['IN_TEST'] = '1'
         os.chdir(path.parent)
-        try: shell.run_all(nb, exc_stop=True, preproc=lambda c: id(c) not in todo)
+        seconds = []
+        def pre(c):
+            if id(c) in todo: seconds.append([c.idx_ + 1, time.perf_counter(), _head(c)])
+            return id(c) not in todo
+        def post(c): seconds[-1][1] = time.perf_counter() - seconds[-1][1]
+        try: shell.run_all(nb, exc_stop=True, preproc=pre, postproc=post)
         except Exception:
             cell = nb.cells[shell._cell_idx - 1]
             error = (f'{path.name}, cell #{shell._cell_idx} ({_head(cell)}) raised:\n'
                      + _cell_traceback(shell.exc))
         if small_text and not error: error = f'{path.name}: ' + '\n'.join(small_text)
-        writer.send(([c.get('outputs', []) for c in nb.cells if id(c) in todo], error))
+        writer.send(([c.get('outputs', []) for c in nb.cells if id(c) in todo], error, seconds))
         os._exit(0)
     proc = multiprocessing.get_context('fork').Process(target=child)
     proc.start()
     writer.close()
-    try: outputs, error = reader.recv()
-    except EOFError: outputs, error = [], f'{path.name}: the process running it died (exit code {proc.join() or proc.exitcode})'
+    try: outputs, error, seconds = reader.recv()
+    except EOFError:
+        outputs, error, seconds = [], f'{path.name}: the process running it died (exit code {proc.join() or proc.exitcode})', []
     proc.join()
-    return outputs, error
+    return outputs, error, seconds
 
 
 def compare(cell, saved) -> str | None:

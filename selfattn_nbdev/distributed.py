@@ -220,7 +220,9 @@ def check_tensor_parallel(
 def release_process_groups() -> None:
     """Once every process group is destroyed, drop the references torch 2.13 still
     keeps to them, so each group's destructor stops its gloo worker threads now,
-    while Python runs. Does nothing while a group is initialized."""
+    while Python runs. Does nothing while a group is initialized. Torch's issues:
+    pytorch/pytorch#38228 and #190489 (a C++ thread that takes the GIL as Python
+    shuts down aborts the process), open; no torch release through 2.13 fixes it."""
     if not dist.is_available() or dist.is_initialized(): return  # a group in use stays
     # 1. functions whose default is `group=group.WORLD`, bound when torch imported
     #    them (lazily, maybe while a group was alive): None, as before any group

@@ -1,8 +1,8 @@
 """How long CI's steps take on a clean clone of this repository.
 
-    python bench/ci_times.py [--out bench/ci.json] [--skip-site] [--quarto <folder with bin/quarto>]
+    python bench/ci_times.py [--out bench/ci.json] [--skip-site] [--quarto <folder with bin/quarto>] [--rev REV]
 
-Clones the repository's HEAD into a temporary folder with `../shared` beside it, as CI does, and times the steps of
+Clones the repository's HEAD (or --rev) into a temporary folder with `../shared` beside it, as CI does, and times the steps of
 `.ci/run` one by one: `make install` (the virtual environment and the pinned tools), `make test`, `make test-slow`,
 `make test-nbdev`, `make docs` with smalldocs (no Quarto on PATH), `make docs` with Quarto when `--quarto` names
 one, and `make test-site`. For each it records the wall-clock seconds, the CPU seconds of its child processes and,
@@ -49,17 +49,20 @@ def main():
     ap.add_argument('--out', default=str(ROOT/'bench'/'ci.json'))
     ap.add_argument('--quarto', help='a Quarto install (the folder holding bin/quarto) to time `make docs` with')
     ap.add_argument('--skip-site', action='store_true', help='leave out `make test-site` (the browser walk)')
+    ap.add_argument('--rev', default='HEAD', help='the commit to clone and time (an earlier one, to compare)')
     a = ap.parse_args()
-    commit = subprocess.run(['git', 'rev-parse', 'HEAD'], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(['git', 'rev-parse', a.rev], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     work = Path(tempfile.mkdtemp(prefix='ci_times_'))
     log = work/'logs'; log.mkdir()
     (work/'shared').symlink_to((ROOT.parent/'shared').resolve())
     subprocess.run(['git', 'clone', '-q', str(ROOT), str(work/'main')], check=True)
     clone = work/'main'
+    subprocess.run(['git', 'checkout', '-q', commit], cwd=clone, check=True)
     # no Quarto on PATH unless asked: CI's machine has none
     path = os.pathsep.join(p for p in os.environ['PATH'].split(os.pathsep) if not Path(p, 'quarto').exists())
     env = {k: v for k, v in os.environ.items() if not k.startswith(('VIRTUAL_ENV', 'PYTHON'))} | dict(PATH=path)
     result = dict(machine=dict(cpu_model=cpu_model(), cpu_count=os.cpu_count()), python=platform.python_version(),
+                  commit=commit[:12],
                   date=datetime.date.today().isoformat(), command=shlex.join(['python', 'bench/ci_times.py'] + sys.argv[1:]),
                   load_average_at_start=os.getloadavg()[0], steps={})
     timed = env | dict(PYTEST_ADDOPTS='--durations=0 --durations-min=0.5')   # each file's seconds

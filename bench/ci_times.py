@@ -31,7 +31,7 @@ def step(name: str, args: list, cwd: Path, env: dict, log: Path) -> dict:
     tail = (res.stdout + res.stderr)[-4000:]
     summary = re.findall(r'^=*\s*(\d+ passed.*?) in ([\d.]+)s', tail, re.M)
     if summary: out['pytest'], out['pytest_seconds'] = summary[-1][0], float(summary[-1][1])
-    coverage = re.search(r'Total coverage: ([\d.]+)%', tail)
+    coverage = re.search(r'Total coverage: ([\d.]+)%', res.stdout)   # before --durations' list
     if coverage: out['coverage_percent'] = float(coverage.group(1))
     per_file = {}
     for seconds, where in re.findall(r'^([\d.]+)s (?:setup|call|teardown)\s+(\S+?)(?:::|\s|$)', res.stdout, re.M):

@@ -92,3 +92,23 @@ def test_parameter_tables_sit_in_a_div_a_phone_can_stack():
     assert div.rstrip().endswith(':::\n\n</details>')
     assert md.index('<details class="api-details">') < md.index('::: {.api-params}')   # folded
     assert '<summary>Parameters of <code>_documented(…)</code></summary>' in md
+
+
+def test_the_child_times_each_cell_it_runs(tmp_path):
+    "`--cell-times`' numbers: each code cell run gets its number (from 1, as nbdev counts), its seconds and first line."
+    from execnb.nbio import read_nb
+    from tools.pytest_notebooks import _run_in_child
+    cell = lambda kind, src: dict(cell_type=kind, metadata={}, source=src,
+                                  **(dict(outputs=[], execution_count=None) if kind == 'code' else {}))
+    path = tmp_path/'timed.ipynb'
+    path.write_text(json.dumps(dict(nbformat=4, nbformat_minor=5, metadata={}, cells=[
+        cell('markdown', '# A page'), cell('code', 'import time'), cell('code', '#| slow\ntime.sleep(0.3)'),
+        cell('code', '1 + 1')])))
+    nb = read_nb(path)
+    todo = {id(c) for c in nb.cells if c.cell_type == 'code' and '#| slow' not in c.source}  # as --quick skips
+    outputs, error, seconds = _run_in_child(path, nb, todo)
+    assert error is None and [(n, head) for n, _, head in seconds] == [(2, 'import time'), (4, '1 + 1')]
+    assert all(0 <= t < 0.3 for _, t, _ in seconds)                    # the skipped sleep is in none of them
+    nb = read_nb(path)
+    _, _, seconds = _run_in_child(path, nb, {id(c) for c in nb.cells if c.cell_type == 'code'})
+    assert [n for n, _, _ in seconds] == [2, 3, 4] and seconds[1][1] >= 0.3

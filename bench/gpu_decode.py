@@ -407,10 +407,14 @@ def main():
             'flash': lambda: flash_decoding_part(device, dtype, 32768 if cuda else 1024, result, save),
             'capacity': lambda: capacity_part(shapes, device, dtype, compile_arg, 1024 if cuda else 100,
                                               (1088, 32768) if cuda else (128, 2048), result, save)}
+    run_parts(runs, parts, result, save, out)
+
+
+def run_parts(runs: dict, parts: list, result: dict, save, out) -> None:
+    "Run each named part in turn, timed; one that raises leaves its error in `result` and the others still run."
     for part in parts:
-        run = runs[part]
         t = time.perf_counter()
-        try: run()
+        try: runs[part]()
         except Exception as e:
             result[part + '_error'] = f'{type(e).__name__}: {e}'[:800]; traceback.print_exc(); save()
         print(f'-- {part}: {time.perf_counter() - t:.0f} s', flush=True)

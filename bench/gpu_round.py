@@ -32,6 +32,7 @@ from selfattn_nbdev.generation import KVCache  # noqa: E402
 from selfattn_nbdev.linear import chunk_gated_delta_rule  # noqa: E402
 from selfattn_nbdev.models import LatentAttention  # noqa: E402
 from selfattn_nbdev.recent import LlamaAttention  # noqa: E402
+from bench.gpu_decode import run_parts  # noqa: E402
 
 
 def sync(device):
@@ -175,14 +176,7 @@ def main():
     runs = {'linear': lambda: linear_part(device, dtype, 4096 if cuda else 256, result, save),
             'sinks': lambda: sinks_part(device, dtype, 4096 if cuda else 128, result, save),
             'mla': lambda: mla_part(device, dtype, 32768 if cuda else 512, result, save)}
-    for part in a.part.split(','):
-        t = time.perf_counter()
-        try: runs[part]()
-        except Exception as e:
-            result[part + '_error'] = f'{type(e).__name__}: {e}'[:800]; traceback.print_exc(); save()
-        print(f'-- {part}: {time.perf_counter() - t:.0f} s', flush=True)
-    save()
-    if out: print(f'wrote {out}')
+    run_parts(runs, a.part.split(','), result, save, out)
 
 
 if __name__ == '__main__':

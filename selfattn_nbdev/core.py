@@ -172,7 +172,10 @@ def replaces(
     "Make the decorated function the one of its name in `module` too: a later version."
     def put(f):
         f.replaced = getattr(module, f.__name__, None)  # kept for tests
-        setattr(module, f.__name__, f)
+        # a notebook's copy stays its own: the package already holds its version
+        in_package = module.__name__.split(".")[0] == "selfattn_nbdev"
+        if not (f.__module__ == "__main__" and in_package):
+            setattr(module, f.__name__, f)
         return f
     return put
 

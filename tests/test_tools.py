@@ -1,5 +1,7 @@
-"""The project's own tooling: the stale-output comparison of the notebook plugin and the README renderer."""
-import json
+"""The project's own tooling: the notebook plugin (what fails a notebook, the stale-output comparison) and the README renderer."""
+import json, re
+
+import pytest
 
 from tools.pytest_notebooks import same_text, summarise
 
@@ -112,3 +114,52 @@ def test_the_child_times_each_cell_it_runs(tmp_path):
     nb = read_nb(path)
     _, _, seconds = _run_in_child(path, nb, {id(c) for c in nb.cells if c.cell_type == 'code'})
     assert [n for n, _, _ in seconds] == [2, 3, 4] and seconds[1][1] >= 0.3
+
+
+def _notebook(path, *codes, outputs=None):
+    "A notebook of code cells at `path`; `outputs`: the saved outputs of each cell (none by default)."
+    cells = [dict(cell_type='code', metadata={}, source=src, execution_count=None,
+                  outputs=(outputs or {}).get(i, [])) for i, src in enumerate(codes)]
+    path.write_text(json.dumps(dict(nbformat=4, nbformat_minor=5, metadata={}, cells=cells)))
+    return path
+
+
+@pytest.mark.parametrize('kind, codes, says', [
+    ('raises', ['x = 1', '1 / 0'], 'cell #2 (1 / 0) raised'),
+    ('sets torch.set_default_dtype', ['import torch', 'torch.set_default_dtype(torch.float64)'],
+     'torch.get_default_dtype()'),
+    ('turns grad off for good', ['import torch', 'torch.set_grad_enabled(False)'], 'torch.is_grad_enabled()'),
+    ('puts its own method on a package class',
+     ['from selfattn_nbdev.multihead import MultiHeadAttention',
+      'MultiHeadAttention.extra_repr = lambda self: "mine"'], 'selfattn_nbdev.multihead.MultiHeadAttention.extra_repr'),
+    ('adds a method to a package class',
+     ['from selfattn_nbdev.multihead import MultiHeadAttention', 'MultiHeadAttention.norms = lambda self: 1'],
+     'selfattn_nbdev.multihead.MultiHeadAttention.norms'),
+    ('replaces a package function', ['import selfattn_nbdev.generation as g', 'g.sample_next = print'],
+     'selfattn_nbdev.generation.sample_next'),
+])
+def test_a_notebook_fails_when_it_raises_or_leaks(tmp_path, kind, codes, says):
+    """What `nbdev_test` catches by running notebooks one after another in a process, the pytest item catches in one
+    run: a cell that raises, and a notebook that changes the process for the next one."""
+    from tools.pytest_notebooks import NotebookFailure, check_notebook
+    with pytest.raises(NotebookFailure, match=re.escape(says)):
+        check_notebook(_notebook(tmp_path/'nb.ipynb', *codes))
+
+
+def test_a_notebook_fails_when_it_prints_other_than_its_saved_outputs(tmp_path):
+    from tools.pytest_notebooks import NotebookFailure, check_notebook
+    said = lambda text: [dict(output_type='stream', name='stdout', text=text)]
+    path = _notebook(tmp_path/'nb.ipynb', 'print(0.25)', outputs={0: said('0.25\n')})
+    check_notebook(path)                                            # what it prints is what it saved
+    path = _notebook(tmp_path/'nb.ipynb', 'print(0.25)', outputs={0: said('0.5\n')})
+    with pytest.raises(NotebookFailure, match='print something else than the outputs saved'):
+        check_notebook(path)
+
+
+def test_a_notebook_that_puts_back_what_it_changes_passes(tmp_path):
+    "Settings changed inside a `with` block, and a package method patched in and put back, leave nothing behind."
+    from tools.pytest_notebooks import check_notebook
+    check_notebook(_notebook(tmp_path/'nb.ipynb', 'import torch', 'with torch.no_grad(): y = torch.ones(2) * 2',
+                             'from selfattn_nbdev.multihead import MultiHeadAttention\n'
+                             'old = MultiHeadAttention.extra_repr\nMultiHeadAttention.extra_repr = lambda self: "x"\n'
+                             'MultiHeadAttention.extra_repr = old'))

@@ -1,10 +1,12 @@
 # No library fits: nbmake only runs notebooks; nbval and pytest-notebook compare outputs exactly or by regex (not numbers to their printed precision, not figures by size) and ignore nbdev's `#|` flags.
-"""pytest plugin (loaded by conftest.py): each notebook in nbs/ is one test, run once for two checks.
+"""pytest plugin (loaded by conftest.py): each notebook in nbs/ is one test, run once for three checks.
 
 The notebook runs as `nbdev_test --flags slow` runs it: with nbdev's engine (execnb), from its own folder, skipping
 `#| eval: false` and `nbdev_export()` cells and notebooks whose front matter says `skip_exec`; with `--quick`, cells
 flagged with settings.ini's `tst_flags` (`#| slow`) are skipped too, as plain `nbdev_test` skips them. The test
-fails at the first cell that raises. Otherwise every code cell's fresh outputs are compared with the ones saved in the
+fails at the first cell that raises; then if the notebook leaves the process changed for the next one that
+`nbdev_test` would run in it (`leaks`: torch's switches, the package's names), which is what running them one after
+another in a process catches; otherwise every code cell's fresh outputs are compared with the ones saved in the
 notebook, which are what the site shows:
 - text (results, prints, stderr) after normalising what legitimately varies (memory addresses, object ids,
   durations), with numbers compared to the precision they are printed with (one unit in the last printed digit);
@@ -64,39 +66,46 @@ def _cell_traceback(e: BaseException) -> str:
     return ''.join(traceback.format_exception(type(e), e, tb or e.__traceback__))
 
 
+def skipped(cell, flags: set) -> bool:
+    "Whether nbdev_test would skip `cell` (nbdev.test.test_nb's `_no_eval`)."
+    if cell.cell_type != 'code' or 'nbdev_export' + '(' in cell.source: return True
+    direc = extract_directives(cell, remove=False)
+    return direc.get('eval:', [''])[0].lower() == 'false' or bool(flags & direc.keys())
+
+
+def check_notebook(path: Path, quick: bool = False, cell_times: str | None = None) -> None:
+    """Run the notebook at `path` as `nbdev_test` would and raise `NotebookFailure` if a cell raises, if it leaves
+    the process changed for the next notebook (`leaks`), or if a cell prints other than its saved outputs."""
+    nb = read_nb(path)
+    flags = set(get_config(path=ROOT).tst_flags.split()) if quick else set()
+    run = [c for c in nb.cells if not skipped(c, flags)]
+    saved = [c.get('outputs', []) for c in run]
+    for c in run: c.outputs = []
+    outputs, error, seconds = _run_in_child(path, nb, {id(c) for c in run})
+    if cell_times:
+        with open(cell_times, 'a') as f:   # one short write a notebook: workers may share the file
+            f.write(''.join(f'{path.name}\t{n}\t{t:.2f}\t{head}\n' for n, t, head in seconds))
+    if error: raise NotebookFailure(error)
+    for c, out in zip(run, outputs): c.outputs = out
+    problems = [p for c, s in zip(run, saved) if (p := compare(c, s))]
+    if problems:
+        raise NotebookFailure(f'{path.name}: {len(problems)} cell(s) print something else than the outputs saved in '
+                              'the notebook (the site shows those): run it again and save it (`make run NB=...`), '
+                              'or fix the code.\n\n' + '\n\n'.join(problems))
+
+
 class Notebook(pytest.Item):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.add_marker('notebook')
         self.add_marker('no_cover')  # pytest-cov: tests/ cover the package; tracing the notebooks only slows them
 
-    def skipped(self, cell, flags: set) -> bool:
-        "Whether nbdev_test would skip `cell` (nbdev.test.test_nb's `_no_eval`)."
-        if cell.cell_type != 'code' or 'nbdev_export' + '(' in cell.source: return True
-        direc = extract_directives(cell, remove=False)
-        return direc.get('eval:', [''])[0].lower() == 'false' or bool(flags & direc.keys())
-
     def runtest(self):
         path = self.path
         fm = getattr(NBProcessor(path, procs=FrontmatterProc, process=True).nb, 'frontmatter_', {})
         if str2bool(fm.get('skip_exec', False)): pytest.skip('skip_exec in its front matter')
-        nb = read_nb(path)
-        if nb_lang(nb) != 'python': pytest.skip(f'a {nb_lang(nb)} notebook')
-        flags = set(get_config(path=ROOT).tst_flags.split()) if self.config.getoption('quick') else set()
-        run = [c for c in nb.cells if not self.skipped(c, flags)]
-        saved = [c.get('outputs', []) for c in run]
-        for c in run: c.outputs = []
-        outputs, error, seconds = _run_in_child(path, nb, {id(c) for c in run})
-        if report := self.config.getoption('cell_times'):
-            with open(report, 'a') as f:   # one short write a notebook: workers may share the file
-                f.write(''.join(f'{path.name}\t{n}\t{t:.2f}\t{head}\n' for n, t, head in seconds))
-        if error: raise NotebookFailure(error)
-        for c, out in zip(run, outputs): c.outputs = out
-        problems = [p for c, s in zip(run, saved) if (p := compare(c, s))]
-        if problems:
-            raise NotebookFailure(f'{path.name}: {len(problems)} cell(s) print something else than the outputs saved in '
-                                  'the notebook (the site shows those): run it again and save it (`make run NB=...`), '
-                                  'or fix the code.\n\n' + '\n\n'.join(problems))
+        if nb_lang(read_nb(path)) != 'python': pytest.skip(f'a {nb_lang(read_nb(path))} notebook')
+        check_notebook(path, self.config.getoption('quick'), self.config.getoption('cell_times'))
 
     def repr_failure(self, excinfo):
         return str(excinfo.value) if excinfo.errisinstance(NotebookFailure) else super().repr_failure(excinfo)
@@ -137,6 +146,50 @@ def _guard_figure_text(shell, problems: list, path: Path) -> None:
     FigureCanvasBase.print_figure = checked
 
 
+def process_state() -> dict:
+    """What a notebook could leave behind for the next one that `nbdev_test` runs in the same process, as name ->
+    value: torch's computing switches, and every function, class and method of the package as the next notebook
+    would resolve it (a notebook that re-runs an exported cell defines its own copy; the package must keep its own).
+    Display settings (print options, matplotlib's rc) are left out: every page sets its own in its first cell."""
+    import sys, torch
+    state = {'torch.get_default_dtype()': torch.get_default_dtype(),
+             'torch.get_default_device()': torch.get_default_device(),
+             'torch.is_grad_enabled()': torch.is_grad_enabled(),
+             'torch.is_inference_mode_enabled()': torch.is_inference_mode_enabled(),
+             'torch.is_anomaly_enabled()': torch.is_anomaly_enabled(),
+             'torch.are_deterministic_algorithms_enabled()': torch.are_deterministic_algorithms_enabled(),
+             'torch.get_float32_matmul_precision()': torch.get_float32_matmul_precision()}
+    package, main = get_config(path=ROOT).lib_name, sys.modules['__main__']
+    sys.modules['__main__'] = type(sys)('__main__')   # resolve names as a notebook that starts now would
+    try:
+        for name, module in list(sys.modules.items()):
+            if name.split('.')[0] != package or module is None: continue
+            for attr, value in list(vars(module).items()):
+                if attr.startswith('__'): continue
+                state[f'{name}.{attr}'] = value
+                if isinstance(value, type) and value.__module__ == name:   # a class of this module: its methods
+                    for k, v in list(vars(value).items()):
+                        if not k.startswith('__') or k in ('__init__', '__call__'):
+                            state[f'{name}.{attr}.{k}'] = v.visible() if hasattr(v, 'visible') else v
+    finally: sys.modules['__main__'] = main
+    return state
+
+
+def leaks(before: dict, after: dict) -> list[str]:
+    """The names whose value `after` a notebook is not the one `before` it (package objects compared by identity,
+    settings by value), and the methods a notebook added to a package class that existed before it."""
+    same = lambda a, b: a is b or (not callable(a) and type(a) is type(b) and _equal(a, b))
+    changed = [k for k in before.keys() & after.keys() if not same(before[k], after[k])]
+    classes = {k for k in before if isinstance(before[k], type)}
+    added = [k for k in after.keys() - before.keys() if k.rsplit('.', 1)[0] in classes and after[k] is not None]
+    return sorted(changed + added)
+
+
+def _equal(a, b) -> bool:
+    try: return bool(a == b)
+    except Exception: return False
+
+
 def _run_in_child(path: Path, nb, todo: set) -> tuple[list, str | None, list]:
     """Execute the cells of `nb` whose id is in `todo`, in a forked copy of this process; return their outputs, the
     failure or None, and each cell run's (number, seconds, first line). A notebook sets things for its whole process
@@ -148,6 +201,7 @@ def _run_in_child(path: Path, nb, todo: set) -> tuple[list, str | None, list]:
     def child():
         # GNU OpenMP hangs in a fork whose parent has run torch on several threads: keep the child on one
         if 'torch' in sys.modules: sys.modules['torch'].set_num_threads(1)
+        before = process_state()
         shell, error, small_text = CaptureShell(path), None, []
         _guard_figure_text(shell, small_text, path)
         os.environ['IN_TEST'] = '1'
@@ -163,6 +217,11 @@ def _run_in_child(path: Path, nb, todo: set) -> tuple[list, str | None, list]:
             error = (f'{path.name}, cell #{shell._cell_idx} ({_head(cell)}) raised:\n'
                      + _cell_traceback(shell.exc))
         if small_text and not error: error = f'{path.name}: ' + '\n'.join(small_text)
+        if not error and (left := leaks(before, process_state())):
+            error = (f'{path.name} leaves the process changed for the next notebook that nbdev_test runs in it '
+                     f'(several notebooks share a process there): {", ".join(left[:8])}'
+                     f'{f" and {len(left) - 8} more" if len(left) > 8 else ""}. Put a setting back where the '
+                     'notebook changes it (a `with` block), and leave the package\'s names to the package.')
         writer.send(([c.get('outputs', []) for c in nb.cells if id(c) in todo], error, seconds))
         os._exit(0)
     proc = multiprocessing.get_context('fork').Process(target=child)

@@ -35,8 +35,8 @@ test: $(INSTALLED) ## notebooks (incl. slow cells), generated files, tests, cove
 test-slow: $(INSTALLED) ## the tests marked slow: torch.compile, 4 ranks, a wheel, the site's links (CI runs them too)
 	$(PYTEST) -q -m 'slow and not site'
 
-test-quick: $(INSTALLED) ## the edit loop: make test without coverage, `#| slow` cells and tests marked slow
-	$(PYTEST) -q --quick -m 'not slow and not site'
+test-quick: $(INSTALLED) ## the edit loop: make test without coverage, `#| slow` cells and tests marked slow or heavy
+	$(PYTEST) -q --quick -m 'not slow and not heavy and not site'
 
 # nbdev's own command, as a contributor types it: every notebook, several to a process, nbdev's worker count. Each
 # worker runs torch on one thread: nbdev starts as many workers as there are cores, and two of torch's threads to a

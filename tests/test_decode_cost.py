@@ -52,6 +52,7 @@ def test_a_step_costs_the_same_work_at_any_capacity():
     assert (logits[0] - logits[1]).abs().max() < 1e-12
 
 
+@pytest.mark.heavy
 def test_compiled_step_counts_on_the_host_and_reads_its_bound():
     "A compiled step (backend 'eager' here: the logic, not the speed) sets every cache's bound and count."
     torch.manual_seed(0)
@@ -131,6 +132,7 @@ def test_a_step_builds_its_mask_once_and_every_block_reads_it(monkeypatch, kind)
             assert torch.equal(ours, theirs)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize('window', [None, 3])
 def test_a_compiled_step_builds_its_mask_once(window):
     """In the traced graph of a compiled step the mask's comparisons appear once, not once per block, and the
@@ -150,6 +152,7 @@ def test_a_compiled_step_builds_its_mask_once(window):
             assert (step(ids, caches) - model(ids, reference)).abs().max() < 1e-12
 
 
+@pytest.mark.heavy
 def test_prompts_of_other_lengths_reuse_the_compiled_step():
     """Compiling, generate gives its caches decode_bound(prompt + new tokens) columns, so a prompt of another length
     finds the step it compiled (a cache of exactly prompt + new tokens columns recompiled for every length, and

@@ -30,6 +30,7 @@ def rank_and_sum(rank, world_size):
     return rank, total.item()
 
 
+@pytest.mark.heavy
 def test_run_ranks_names_the_rank_that_failed_first():
     "Rank 1's own error (ValueError: boom) leads the report, before rank 0's knock-on one; 8 runs of 8 (0.1 s each)."
     for _ in range(8):
@@ -145,6 +146,7 @@ def test_a_failed_save_leaves_no_result_file():
         assert torch.load(path)['result'] == 1 and not os.path.exists(path + '.part')
 
 
+@pytest.mark.heavy
 def test_bench_counts_what_the_page_says():
     """bench/distributed.py's counts, run on 2 ranks at small sizes, are the page's formulas: 4 all-reduces of (T, d)
     for tensor parallelism, the layer's parameters gathered and scattered once for FSDP2."""

@@ -179,6 +179,7 @@ def test_register_takes_a_name():
     with torch.no_grad(): assert torch.isfinite(model(ids, attention_mask=attention_mask).logits).all()
 
 
+@pytest.mark.heavy
 def test_importing_the_module_leaves_transformers_alone():
     "The package depends on torch alone: transformers is imported by register(), not by importing selfattn_nbdev.hf."
     code = 'import sys, selfattn_nbdev.hf; print("transformers" in sys.modules)'

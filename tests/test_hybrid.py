@@ -332,6 +332,7 @@ def test_package_sparse_attention_inside_transformers_deepseek_v32(record_diff):
         assert (dense(ids, attention_mask=mask).logits - ours(ids, attention_mask=mask).logits).abs().max() > 1e-2
 
 
+@pytest.mark.heavy
 def test_from_hf_finds_qwen35_without_importing_the_hybrid_page(qwen35_pair):
     "A user who imports only from_hf: the family's module is imported when its model_type is met."
     folder = qwen35_pair[2]

@@ -2,6 +2,10 @@
 be what the next notebook runs."""
 import os, subprocess, sys, textwrap
 
+import pytest
+
+pytestmark = pytest.mark.heavy  # fresh processes that compile: make test and CI run it, make test-quick skips it
+
 
 def test_a_notebooks_method_stays_in_that_notebook():
     script = textwrap.dedent('''

@@ -188,6 +188,7 @@ def test_a_model_changed_inside_the_block_is_computed_as_it_now_is(change):
             assert (got - truth).abs().max() < 1e-5
 
 
+@pytest.mark.heavy
 def test_the_compiled_decode_step_reads_the_stack_and_only_it():
     "generate's compiled step multiplies once per group (its host checks the stack before each call)."
     from selfattn_nbdev.decoding import _decode_step
@@ -208,6 +209,7 @@ def test_the_compiled_decode_step_reads_the_stack_and_only_it():
     assert not model.blocks[0].attn.W_query.__dict__.get('_stack_checked', False)  # reset after the call
 
 
+@pytest.mark.heavy
 def test_the_compiled_decode_step_checks_the_stack_before_every_step():
     "A weight moved out of the stack between two steps is caught by the host's check: the model as it now is."
     from selfattn_nbdev.decoding import _decode_step
@@ -225,6 +227,7 @@ def test_the_compiled_decode_step_checks_the_stack_before_every_step():
 
 
 
+@pytest.mark.heavy
 def test_the_decode_step_makes_room_for_its_graphs_when_other_models_filled_it(monkeypatch):
     """Dynamo counts the graphs of every model that shares a forward against one limit. A step that needs a new graph
     (a new bound, or a weight moved out of its stack) still compiles when other models' graphs fill the limit: it
@@ -274,6 +277,7 @@ class _Rescaled(TinyGPT):
     def forward(self, *args, **kwargs): return super().forward(*args, **kwargs) * self.scale
 
 
+@pytest.mark.heavy
 def test_a_step_that_needs_a_new_graph_every_call_fails_after_a_few_calls(monkeypatch):
     """Retries for a bound already compiled are capped (_RETRIES), so a step that recompiles every call is a loud
     error after the limit and a few retries, not a slow run until Dynamo's cap on all graphs."""
@@ -346,6 +350,7 @@ def test_what_cannot_be_stacked_is_left_as_it_was():
     assert counted.calls == 1 and torch.allclose(ya, a(x)) and torch.allclose(ye, e(x))
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize('name', ['GPT2', 'Llama qwen2'])
 def test_compiled_generation_writes_the_eager_tokens(name):
     "generate stacks the weights; compiled (one graph reading the stack through a view) equals eager unstacked."

@@ -23,7 +23,7 @@ from .recent import soft_cap, soft_cap_mod, softmax_with_sink
 
 # %% ../nbs/17_transformers.ipynb #96dd76bd
 class HFMask(NamedTuple):
-    "The mask of one forward pass as transformers describes it, kept as a predicate."
+    "What hf_mask found of one forward pass's mask: carried beside its tensor, as .hf."
     mask_mod:Callable   # (b, h, q_idx, kv_idx) -> bool; queries: the last T of S keys
     padding:Tensor|None # bool (b, S), True = padding; None: every key is real
     window:int|None     # mask_mod is sliding_window(window); None: causal, or other
@@ -78,11 +78,21 @@ def hf_mask(
     mask_function:Callable=causal, # transformers' predicate, on those positions
     attention_mask:Tensor|None=None, # bool (b, >= kv_offset + S), True = real token
     local_size:int|None=None, # the layer's window (or chunk), as transformers says
-    **kwargs, # dtype, config, use_vmap...: only device is read
-) -> HFMask:
-    "transformers' mask interface: its predicate, recognised if causal or a window."
-    device, shift = kwargs.get("device"), int(q_offset) - (kv_length - q_length)
-    padding = None
+    **kwargs, # device, allow_is_causal_skip...: passed on to transformers' sdpa_mask
+) -> Tensor|None: # sdpa's mask: None, or bool (b, 1, T, S), True = attend; with .hf
+    "transformers' mask interface: sdpa's own mask, its predicate recognised beside it."
+    from transformers.masking_utils import sdpa_mask  # only when transformers calls
+    mask = sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset,
+                     mask_function, attention_mask, local_size, **kwargs)
+    if mask is None or torch.compiler.is_compiling(): return mask  # nothing to ask
+    mask.hf = _found(batch_size, q_length, kv_length, int(q_offset), int(kv_offset),
+                     mask_function, attention_mask, local_size, kwargs.get("device"))
+    return mask
+
+def _found(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
+           attention_mask, local_size, device) -> HFMask: # hf_mask's, as given
+    "The predicate in the package's frame, recognised; the padded keys, shared."
+    shift, padding = q_offset - (kv_length - q_length), None
     if attention_mask is not None:  # the keys' part of the 2-D mask, padded if short
         short = max(0, kv_offset + kv_length - attention_mask.shape[-1])
         real = F.pad(attention_mask.bool(), (0, short))[:, kv_offset:][:, :kv_length]
@@ -95,10 +105,12 @@ def hf_mask(
     return HFMask(mask_mod, padding, window, ours is not None, q_length, kv_length,
                   batch_size, {})
 
+
 # %% ../nbs/17_transformers.ipynb #e1860cf1
 def _explicit(
     queries:Tensor, keys:Tensor, values:Tensor, # (b, heads | kv_heads, T | S, hd)
-    allowed:Tensor|None, # bool (b | 1, 1, T, S), True = attend; None: every key
+    allowed:Tensor|None, # bool (b | 1, 1, T, S), True = attend; float: added to
+                         # the scores (a model's own mask); None: every key
     softcap:float|None=None, # cap the scores (Gemma 2)
     sinks:Tensor|None=None, # a sink logit per head (gpt-oss), (heads,)
     dropout:float=0.0, # on the weights
@@ -110,23 +122,26 @@ def _explicit(
     scores = (queries.to(work) @ keys.to(work).transpose(2, 3)
               / math.sqrt(queries.shape[-1]))                  # (b, heads, T, S)
     if softcap is not None: scores = soft_cap(scores, softcap)
-    if allowed is not None: scores = scores.masked_fill(~allowed, -torch.inf)
+    if allowed is not None and allowed.dtype == torch.bool:
+        scores = scores.masked_fill(~allowed, -torch.inf)
+    elif allowed is not None: scores = scores + allowed.to(work)  # as eager adds it
     weights = (torch.softmax(scores, dim=-1).nan_to_num(0.0) if sinks is None
                else softmax_with_sink(scores, sinks))  # no key: 0, or all on the sink
     if dropout: weights = F.dropout(weights, dropout)
     weights = weights.to(values.dtype)
     return weights @ values, weights
 
-def _dense(mask:HFMask, device) -> Tensor: # bool (b | 1, 1, T, S), True = attend
-    "The mask as a tensor, padding included: made once per forward pass."
-    key = ("dense", str(device))
-    if key not in mask.found:
-        mask_mod = (mask.mask_mod if mask.padding is None else
-                    and_masks(mask.mask_mod, key_padding(mask.padding)))
-        rows = 1 if mask.known and mask.padding is None else mask.batch
-        mask.found[key] = dense_mask(mask_mod, mask.num_tokens, mask.num_keys, rows,
-                                     device=device)
-    return mask.found[key]
+def _sdpa(queries:Tensor, keys:Tensor, values:Tensor, # as for _explicit
+          mask:Tensor, # bool (b | 1, 1, T, S), True = attend; or float, added
+          dropout:float, gqa:bool) -> Tensor: # context (b, heads, T, hd_v)
+    "SDPA with a mask, as transformers' sdpa calls it; a query that sees no key: 0."
+    if mask.dtype != torch.bool:
+        return F.scaled_dot_product_attention(queries, keys, values, mask,
+                                              dropout_p=dropout, enable_gqa=gqa)
+    dead = ~mask.any(-1, keepdim=True)                  # a query that sees no key
+    context = F.scaled_dot_product_attention(queries, keys, values, mask | dead,
+                                             dropout_p=dropout, enable_gqa=gqa)
+    return context.masked_fill(dead, 0.0)
 
 def _runs_of(mask:HFMask, queries:Tensor): # VarlenRuns; None: not a call a run
     "The runs of real tokens, found once per forward pass."
@@ -141,7 +156,8 @@ def attend(
     queries:Tensor, # (b, heads, T, head_dim), turned by RoPE already
     keys:Tensor,    # (b, kv_heads, S, head_dim), the cache's keys included
     values:Tensor,  # (b, kv_heads, S, head_dim_v)
-    mask:HFMask,    # which keys each query may see
+    mask:Tensor|None, # hf_mask's: None (causal), or bool (b | 1, 1, T, S), True =
+                      # attend, with its HFMask as .hf; a float mask is added
     scale:float|None=None, # the scores' scale; None: 1 / sqrt(head_dim)
     dropout:float=0.0, # on the weights (transformers gives 0 in eval)
     softcap:float|None=None, # Gemma 2's cap on the scores
@@ -152,45 +168,49 @@ def attend(
     (b, heads, T, hd), S = queries.shape, keys.shape[2]
     if scale is not None and scale * math.sqrt(hd) != 1:  # kernels divide by sqrt(hd)
         queries = queries * (scale * math.sqrt(hd))
-    scored = softcap is not None or sinks is not None
+    scored, gqa = softcap is not None or sinks is not None, heads != keys.shape[1]
     explicit = functools.partial(_explicit, softcap=softcap, sinks=sinks,
                                  dropout=dropout)
-    if with_weights:                                 # the weights: the explicit path
-        return explicit(queries, keys, values, _dense(mask, queries.device))
-    gqa = heads != keys.shape[1]
-    plain = mask.known and mask.window is None and mask.padding is None
+    if mask is None and (with_weights or scored or 1 < T != S):   # causal, written
+        mask = dense_mask(causal, T, S, device=queries.device)    # (1, 1, T, S)
+    if with_weights: return explicit(queries, keys, values, mask)  # the weights
+    if mask is None:                   # causal, or one query that sees every key
+        return F.scaled_dot_product_attention(queries, keys, values, dropout_p=dropout,
+                                              is_causal=T > 1, enable_gqa=gqa), None
+    found = getattr(mask, "hf", None)  # what hf_mask found; a slice or copy has none
+    if found is None:                  # the tensor alone: as transformers' sdpa
+        if scored: return explicit(queries, keys, values, mask)[0], None
+        return _sdpa(queries, keys, values, mask, dropout, gqa), None
+    plain = found.known and found.window is None and found.padding is None
     if plain and T == S and not scored:              # causal: no mask at all
         return F.scaled_dot_product_attention(queries, keys, values, dropout_p=dropout,
                                               is_causal=True, enable_gqa=gqa), None
-    in_runs = (mask.known and mask.padding is not None and T == S and not
-               (queries.is_cuda and (scored or mask.window)))  # as the masks page
+    in_runs = (found.known and found.padding is not None and T == S and not
+               (queries.is_cuda and (scored or found.window)))  # as the masks page
     pick = lambda runs_only: pick_kernel(
         queries.device.type, True, T, S, queries.requires_grad, dropout, runs_only,
         half=queries.dtype in (torch.float16, torch.bfloat16))
-    choice = pick(in_runs and mask.window is None and not scored)
+    choice = pick(in_runs and found.window is None and not scored)
     if in_runs and (choice == "dense" or sinks is not None): choice = pick(True)
-    runs = _runs_of(mask, queries) if choice == "varlen" else None
+    runs = _runs_of(found, queries) if choice == "varlen" else None
     if runs is not None and not scored:        # each row's real tokens, one call each
-        return varlen_attend(queries, keys, values, mask.padding, True, None, runs,
-                             mask.window), None
+        return varlen_attend(queries, keys, values, found.padding, True, None, runs,
+                             found.window), None
     if runs is not None:                       # the same, explicit, in the run's band
         band = lambda q, k, v: explicit(q, k, v, dense_mask(
-            mask.mask_mod, q.shape[2], device=q.device))[0]
+            found.mask_mod, q.shape[2], device=q.device))[0]
         return _in_runs(queries, keys, values, runs, lambda q, k, v: _by_run(
             q, k, v, runs.cu_seqlens.tolist(), band)), None
     if choice.startswith("flex") and sinks is None:     # tiles skipped, the cap too
-        padded = (mask.padding,) if mask.padding is not None else ()
-        mask_mod = and_masks(mask.mask_mod, *map(key_padding, padded))
+        padded = (found.padding,) if found.padding is not None else ()
+        mask_mod = and_masks(found.mask_mod, *map(key_padding, padded))
         return flex_attend(queries, keys, values, mask_mod,
-                           ("hf", mask.window) if mask.known else None,
+                           ("hf", found.window) if found.known else None,
                            choice == "flex", padded,
                            None if softcap is None else soft_cap_mod(softcap)), None
-    allowed = _dense(mask, queries.device)              # (b | 1, 1, T, S)
-    if scored: return explicit(queries, keys, values, allowed)[0], None
-    dead = ~allowed.any(-1, keepdim=True)               # a query that sees no key
-    context = F.scaled_dot_product_attention(queries, keys, values, allowed | dead,
-                                             dropout_p=dropout, enable_gqa=gqa)
-    return context.masked_fill(dead, 0.0), None
+    if scored: return explicit(queries, keys, values, mask)[0], None
+    return _sdpa(queries, keys, values, mask, dropout, gqa), None
+
 
 # %% ../nbs/17_transformers.ipynb #d835daf7
 PASSED_ALONG = ("position_ids", "use_cache", "sliding_window", "output_attentions",
@@ -201,7 +221,7 @@ PASSED_ALONG = ("position_ids", "use_cache", "sliding_window", "output_attention
 def _check_call(
     module, # transformers' attention module: its class names it in messages
     query:Tensor, key:Tensor, # (b, heads, T, hd), (b, kv_heads, S, hd)
-    attention_mask, # what the model passes: an HFMask, or something else
+    attention_mask, # what the model passes: hf_mask's, a model's own, or else
     kwargs:dict, # the call's other arguments
 ) -> None:
     "Refuse by name what `attend` would not compute as eager does."
@@ -211,23 +231,28 @@ def _check_call(
                          f"for is_causal=False (an encoder's attention, or cross-"
                          f"attention); expected is_causal=True. Load this model with "
                          f"attn_implementation='sdpa'")
-    if not isinstance(attention_mask, HFMask):
-        got = (f"a tensor {tuple(attention_mask.shape)}" if isinstance(
-            attention_mask, Tensor) else type(attention_mask).__name__)
-        raise ValueError(f"attention_mask must be the HFMask that hf_mask makes "
-                         f"(transformers' create_causal_mask calls it); {name} got "
-                         f"{got}")
+    if attention_mask is not None and not (isinstance(attention_mask, Tensor)
+            and attention_mask.dim() == 4 and (attention_mask.dtype == torch.bool
+                                               or attention_mask.is_floating_point())):
+        got = (f"a {attention_mask.dtype} tensor {tuple(attention_mask.shape)}" if
+               isinstance(attention_mask, Tensor) else type(attention_mask).__name__)
+        raise ValueError(f"attention_mask must be None or a 4-D tensor (b | 1, 1 | "
+                         f"heads, T, S), bool (True = attend) or float (added to the "
+                         f"scores), as transformers' sdpa takes it; {name} got {got}. "
+                         f"A BlockMask is flex_attention's: load the model with "
+                         f"attn_implementation='flex_attention'")
     unknown = [k for k, v in kwargs.items() if v is not None and k not in PASSED_ALONG]
     if unknown:
         raise ValueError(f"{name} passes {', '.join(unknown)}, which selfattn_nbdev "
                          f"does not compute (it could change the scores): it takes "
                          f"scaling, dropout, softcap and s_aux (sinks), and passes "
                          f"along {', '.join(PASSED_ALONG)}")
-    if (query.shape[2], key.shape[2]) != (attention_mask.num_tokens,
-                                          attention_mask.num_keys):
-        raise ValueError(f"attention_mask was made for {attention_mask.num_tokens} "
-                         f"queries and {attention_mask.num_keys} keys; {name} gives "
-                         f"{query.shape[2]} and {key.shape[2]}")
+    T, S = query.shape[2], key.shape[2]
+    if attention_mask is not None and tuple(attention_mask.shape[-2:]) != (T, S):
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; "
+                         f"{name} gives {T} queries and {S} keys: expected "
+                         f"(b | 1, 1 | heads, {T}, {S})")
+
 
 # %% ../nbs/17_transformers.ipynb #7ee01570
 def hf_attention(
@@ -235,7 +260,7 @@ def hf_attention(
     query:Tensor, # (b, heads, T, head_dim)
     key:Tensor,   # (b, kv_heads, S, head_dim)
     value:Tensor, # (b, kv_heads, S, head_dim_v)
-    attention_mask:HFMask, # what hf_mask made for this forward pass
+    attention_mask:Tensor|None, # hf_mask's for this pass, or a model's 4-D mask
     scaling:float|None=None, # the scores' scale
     dropout:float=0.0, # transformers passes 0.0 in eval
     softcap:float|None=None, # Gemma 2
@@ -243,12 +268,26 @@ def hf_attention(
     **kwargs, # those in PASSED_ALONG; any other is refused
 ) -> tuple: # context (b, T, heads, head_dim_v), weights (b, heads, T, S) or None
     "transformers' attention interface: the checks, then `attend`."
+    indices = kwargs.pop("indices", None)  # DeepSeek-V3.2's indexer: (b, T, top_k)
     _check_call(module, query, key, attention_mask, kwargs)
+    if indices is not None:  # the keys it picked, and only those: as eager masks
+        attention_mask = _picked(indices, attention_mask, query.shape[2], key.shape[2],
+                                 query.dtype)
     config = getattr(module, "config", None)
     asked = kwargs.get("output_attentions", getattr(config, "output_attentions", False))
     context, weights = attend(query, key, value, attention_mask, scaling, dropout,
                               softcap, s_aux, with_weights=bool(asked))
     return context.transpose(1, 2).contiguous(), weights
+
+def _picked(indices:Tensor, # int (b, T, top_k): the keys each query may see
+            mask:Tensor|None, # the pass's mask: None (causal), bool or float
+            T:int, S:int, dtype) -> Tensor: # bool (b, 1, T, S), or float: masked
+    "A sparse layer's mask: the pass's, less every key its indexer did not pick."
+    picked = torch.zeros(indices.shape[0], T, S, dtype=torch.bool,
+                         device=indices.device).scatter(-1, indices.long(), True)
+    if mask is None: mask = dense_mask(causal, T, S, device=indices.device)
+    if mask.dtype == torch.bool: return mask & picked[:, None]      # (b, 1, T, S)
+    return mask.masked_fill(~picked[:, None], torch.finfo(dtype).min)
 
 def register(
     name:str="selfattn_nbdev", # the attn_implementation it becomes

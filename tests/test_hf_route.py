@@ -81,7 +81,7 @@ def test_flex_when_asked(model_type, monkeypatch):
 def test_short_padded_batch_takes_the_dense_mask_without_nan(monkeypatch):
     "Below RUNS_MIN_TOKENS: SDPA with the dense mask, and a padded query (no key to see) gets zeros, not NaN."
     model, (ids, attention_mask) = tiny('llama', 'selfattn_nbdev'), padded_batch()
-    calls = count_calls(monkeypatch, '_dense')
+    calls = count_calls(monkeypatch, '_sdpa')
     model.train()
     logits = model(ids, attention_mask=attention_mask).logits
     logits.sum().backward()
@@ -116,29 +116,32 @@ def test_dropout_in_training_only():
 
 
 def test_the_mask_transformers_asks_for():
-    "Causal and windows recognised (a cache's offsets too); anything else (chunks, image tokens) kept and asked."
-    plain = hf_mask(2, 5, 5, attention_mask=torch.ones(2, 5, dtype=torch.bool))
-    assert (plain.known, plain.window, plain.padding) == (True, None, None)
-    step = hf_mask(2, 1, 8, q_offset=30, kv_offset=23, local_size=8,
+    """sdpa's own tensor (None where SDPA's flag does), and beside it causal and windows recognised (a cache's offsets
+    too); anything else (chunks, image tokens) kept and asked."""
+    assert hf_mask(2, 5, 5, attention_mask=torch.ones(2, 5, dtype=torch.bool)) is None
+    plain = hf_mask(2, 5, 5, attention_mask=torch.ones(2, 5, dtype=torch.bool), allow_is_causal_skip=False)
+    assert (plain.hf.known, plain.hf.window, plain.hf.padding) == (True, None, None)
+    step = hf_mask(2, 1, 8, q_offset=30, kv_offset=23, local_size=8, allow_is_causal_skip=False,
                    mask_function=sliding_window_causal_mask_function(8))
-    assert step.known and step.window is None             # every key of the window's cache in reach
+    assert step.hf.known and step.hf.window is None        # every key of the window's cache in reach
     real = torch.ones(2, 12, dtype=torch.bool)
     real[0, :4] = False
     window = hf_mask(2, 12, 12, mask_function=sliding_window_causal_mask_function(5), attention_mask=real,
                      local_size=5)
-    assert (window.known, window.window) == (True, 5) and window.padding[0].tolist() == [True] * 4 + [False] * 8
+    assert (window.hf.known, window.hf.window) == (True, 5)
+    assert window.hf.padding[0].tolist() == [True] * 4 + [False] * 8
     chunked = chunked_causal_mask_function(4, torch.tensor([4, 0]))
     chunks = hf_mask(2, 12, 12, mask_function=chunked, attention_mask=real, local_size=4)
     theirs = sdpa_mask(2, 12, 12, mask_function=chunked, attention_mask=real, allow_is_causal_skip=False)
-    asked = dense_mask(and_masks(chunks.mask_mod, key_padding(chunks.padding)), 12, batch=2)
-    assert not chunks.known and torch.equal(asked, theirs)
-    assert isinstance(chunks, HFMask) and chunks.batch == 2
+    asked = dense_mask(and_masks(chunks.hf.mask_mod, key_padding(chunks.hf.padding)), 12, batch=2)
+    assert not chunks.hf.known and torch.equal(asked, theirs) and torch.equal(chunks, theirs)
+    assert isinstance(chunks.hf, HFMask) and chunks.hf.batch == 2
     blocks = torch.tensor([[-1, 0, 0, 0] + [-1] * 8, [-1] * 6 + [1] * 3 + [-1] * 3])  # image tokens: both ways
     images = or_masks(causal_mask_function, blockwise_overlay(blocks))
     seen = hf_mask(2, 12, 12, mask_function=images, attention_mask=real, use_vmap=True)
     theirs = sdpa_mask(2, 12, 12, mask_function=images, attention_mask=real, allow_is_causal_skip=False, use_vmap=True)
-    asked = dense_mask(and_masks(seen.mask_mod, key_padding(seen.padding)), 12, batch=2)
-    assert not seen.known and torch.equal(asked, theirs)
+    asked = dense_mask(and_masks(seen.hf.mask_mod, key_padding(seen.hf.padding)), 12, batch=2)
+    assert not seen.hf.known and torch.equal(asked, theirs) and torch.equal(seen, theirs)
 
 
 def test_attend_scales_the_queries():
@@ -158,19 +161,23 @@ def test_refused_by_name(model_type):
 
 
 def test_what_is_refused_names_the_argument():
-    mask = hf_mask(1, 4, 4)
+    mask = hf_mask(1, 4, 4, allow_is_causal_skip=False)
     q = torch.randn(1, 2, 4, 8)
     decoder = type('LlamaAttention', (), {'is_causal': True})()
     with pytest.raises(ValueError, match="LlamaAttention passes position_bias"):
         hf_attention(decoder, q, q, q, mask, position_bias=torch.zeros(1))
-    with pytest.raises(ValueError, match=r"attention_mask must be the HFMask .* got NoneType"):
-        hf_attention(decoder, q, q, q, None)
-    with pytest.raises(ValueError, match="made for 4 queries and 4 keys; LlamaAttention gives 4 and 5"):
+    with pytest.raises(ValueError, match=r"attention_mask must be None or a 4-D tensor .* got a torch.bool tensor "
+                                         r"\(1, 4\)"):
+        hf_attention(decoder, q, q, q, torch.ones(1, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"LlamaAttention got list\. A BlockMask is flex_attention's"):
+        hf_attention(decoder, q, q, q, [mask])
+    with pytest.raises(ValueError, match=r"has shape \(1, 1, 4, 4\); LlamaAttention gives 4 queries and 5 keys"):
         hf_attention(decoder, q, torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), mask)
     with pytest.raises(ValueError, match='is_causal=False'):
         hf_attention(decoder, q, q, q, mask, is_causal=False)
-    out, weights = hf_attention(decoder, q, q, q, mask, position_ids=torch.arange(4), use_cache=True)
-    assert out.shape == (1, 4, 2, 8) and weights is None
+    for given in (mask, None):                                  # None: causal, SDPA's flag
+        out, weights = hf_attention(decoder, q, q, q, given, position_ids=torch.arange(4), use_cache=True)
+        assert out.shape == (1, 4, 2, 8) and weights is None
 
 
 def test_register_takes_a_name():

@@ -148,7 +148,8 @@ class HybridBlock(nn.Module):
         "Mix the tokens, add; transform each token, add. Padding never enters a state."
         if self.linear:
             real = None if cache is None else cache.real_tokens(x.shape[1], x.device)
-            mixed = self.attn(self.norm1(x), cache=cache, attention_mask=real)
+            mixed = self.attn(self.norm1(x), cache=cache, attention_mask=real,
+                              document_ids=mods.get("document_ids"))  # each alone
         else: mixed = self.attn(self.norm1(x), cache=cache, **mods)
         x = x + mixed                                   # (b, num_tokens, d_model)
         return x + self.mlp(self.norm2(x))              # (b, num_tokens, d_model)

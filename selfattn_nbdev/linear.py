@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .core import check_size, patch
+from .masks import _check_document_ids
 
 # %% ../nbs/18_linear.ipynb #51c0896a
 def _shape(x) -> str:
@@ -21,7 +22,8 @@ def _shape(x) -> str:
     return "x".join(map(str, x.shape)) if isinstance(x, Tensor) else repr(x)
 
 def _check_delta_inputs(q, k, v, g, beta, scale, initial_state,
-                        per_channel:bool) -> tuple: # (h_k, h_v, d_k, d_v)
+                        per_channel:bool, beta_max:float=1.0,
+                       ) -> tuple: # (h_k, h_v, d_k, d_v)
     "Shapes, gates and state of a delta-rule call, checked by name."
     for x, name in ((q, "q"), (k, "k"), (v, "v"), (g, "g"), (beta, "beta")):
         if not isinstance(x, Tensor):
@@ -44,8 +46,8 @@ def _check_delta_inputs(q, k, v, g, beta, scale, initial_state,
     if g.numel() and g.max() > 0:
         raise ValueError(f"g is a log-decay and must be <= 0; got a largest g of "
                          f"{g.max().item():.4g}")
-    if beta.numel() and (beta.min() < 0 or beta.max() > 1):
-        raise ValueError(f"beta must lie in [0, 1]; got values from "
+    if beta.numel() and (beta.min() < 0 or beta.max() > beta_max):
+        raise ValueError(f"beta must lie in [0, {beta_max:g}]; got values from "
                          f"{beta.min().item():.4g} to {beta.max().item():.4g}")
     state = (b, h_v, d_k, d_v)
     if initial_state is not None and (not isinstance(initial_state, Tensor)
@@ -63,10 +65,10 @@ def l2_normalize(x:Tensor, eps:float=1e-6) -> Tensor: # x with unit length (to e
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 def _prepare(q, k, v, g, beta, scale, initial_state, l2norm,
-             per_channel=False) -> tuple: # q, k, v, g, beta (b, h_v, T, ...), S0
+             per_channel=False, beta_max=1.0) -> tuple: # q, k, v, g, beta, S0
     "Checked inputs in the working dtype, heads first, q scaled, and the first state."
     h_k, h_v, d_k, d_v = _check_delta_inputs(q, k, v, g, beta, scale, initial_state,
-                                             per_channel)
+                                             per_channel, beta_max)
     work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
     q, k, v, g, beta = (x.to(work).transpose(1, 2) for x in (q, k, v, g, beta))
     if l2norm: q, k = l2_normalize(q), l2_normalize(k)
@@ -75,6 +77,78 @@ def _prepare(q, k, v, g, beta, scale, initial_state, l2norm,
     S = (q.new_zeros(q.shape[0], h_v, d_k, d_v) if initial_state is None
          else initial_state.to(work))
     return q, k, v, g, beta, S
+
+_FLA_HOW = ("cu_seqlens_cpu", "disable_recompute")  # how fla computes, not what
+
+def _fla(name:str, # the public function, for messages
+         chunked:bool, # a chunk at a time (_chunked), or token by token (_recurrent)
+         q, k, v, g, beta, scale, initial_state, output_final_state, l2norm,
+         per_channel:bool, # g per key channel (KDA), not per head
+         options:dict, # fla's other arguments, as given
+        ) -> tuple: # o (b, T, h_v, d_v) in v's dtype; final state or None
+    "fla v0.5.2's options on the delta rule; with cu_seqlens, each sequence alone."
+    opts = {key: val for key, val in options.items() if key not in _FLA_HOW}
+    if "head_first" in opts:
+        raise ValueError(f"{name}: head_first was removed from fla; give q, k, v as "
+                         f"(b, T, h, d)")
+    if "transpose_state_layout" in opts:  # fla's older name of state_v_first
+        opts["state_v_first"] = opts.pop("transpose_state_layout")
+    chunk_size = opts.pop("chunk_size", 64)
+    negative = opts.pop("allow_neg_eigval", False)
+    if opts.pop("use_beta_sigmoid_in_kernel", False):
+        beta = beta.sigmoid() * (2 if negative else 1)       # in [0, 1], or [0, 2]
+    elif negative:
+        raise ValueError(f"{name}: allow_neg_eigval=True needs "
+                         f"use_beta_sigmoid_in_kernel=True (as in fla)")
+    A_log, dt_bias = opts.pop("A_log", None), opts.pop("dt_bias", None)
+    if opts.pop("use_gate_in_kernel", False):  # g = -exp(A_log) softplus(g + dt_bias)
+        if A_log is None:
+            raise ValueError(f"{name}: use_gate_in_kernel=True needs A_log (as in fla)")
+        bias = 0 if dt_bias is None else dt_bias.float().reshape(g.shape[2:])
+        decay = A_log.float().exp().reshape(A_log.shape + (1,) * (g.dim() - 3))
+        g = -decay * F.softplus(g.float() + bias)
+    v_first, cu_seqlens = opts.pop("state_v_first", False), opts.pop("cu_seqlens", None)
+    refused = sorted(key for key, val in opts.items()
+                     if val is not None and val is not False)
+    if refused:
+        raise ValueError(f"{name} takes fla v0.5.2's arguments but does not compute "
+                         f"{', '.join(refused)} (fla's context parallelism, a decay "
+                         f"per value channel, intermediate states, KDA's bounded gate)")
+    if chunked: _check_chunk(chunk_size)
+    if v_first and initial_state is not None: initial_state = initial_state.mT
+    def solve(q, k, v, g, beta, S0): # one sequence, or a batch of them
+        q, k, v2, g, beta, S = _prepare(q, k, v, g, beta, scale, S0, l2norm,
+                                        per_channel, 2 if negative else 1)
+        o, S = (_chunked(q, k, v2, g, beta, S, chunk_size) if chunked and q.shape[2]
+                else _recurrent(q, k, v2, g, beta, S))
+        return o.transpose(1, 2).to(v.dtype), S
+    if cu_seqlens is None: o, S = solve(q, k, v, g, beta, initial_state)
+    else:
+        starts = _check_cu_seqlens(name, cu_seqlens, q, initial_state)
+        runs = [solve(*(x[:, s:e] for x in (q, k, v, g, beta)),
+                      None if initial_state is None else initial_state[n:n + 1])
+                for n, (s, e) in enumerate(zip(starts, starts[1:]))]
+        o = torch.cat([o for o, _ in runs], 1)                   # (1, T, h_v, d_v)
+        S = torch.cat([S for _, S in runs])                      # (N, h_v, d_k, d_v)
+    if v_first: S = S.mT
+    return o, (S if output_final_state else None)
+
+def _check_cu_seqlens(name, cu_seqlens, q, initial_state) -> list: # the boundaries
+    "fla's packed sequences: batch 1, boundaries 0 <= ... <= T, a state each."
+    if q.shape[0] != 1:
+        raise ValueError(f"{name}: with cu_seqlens the sequences are packed along T in "
+                         f"a batch of 1; got q {_shape(q)}")
+    starts = cu_seqlens.tolist() if isinstance(cu_seqlens, Tensor) else None
+    if (starts is None or cu_seqlens.dim() != 1 or len(starts) < 2 or starts[0] != 0
+            or starts[-1] != q.shape[1]
+            or any(a > b for a, b in zip(starts, starts[1:]))):
+        raise ValueError(f"cu_seqlens must be a 1-D integer tensor rising from 0 to "
+                         f"T={q.shape[1]}; got {cu_seqlens!r:.80}")
+    if initial_state is not None and initial_state.shape[0] != len(starts) - 1:
+        raise ValueError(f"{name}: initial_state must hold one state per sequence of "
+                         f"cu_seqlens, {len(starts) - 1}; got {_shape(initial_state)}")
+    return starts
+
 
 # %% ../nbs/18_linear.ipynb #6be8a916
 def _recurrent(q, k, v, g, beta, S) -> tuple: # o (b, h, T, d_v), S (b, h, d_k, d_v)
@@ -94,18 +168,30 @@ def fused_recurrent_gated_delta_rule(
     q:Tensor, # queries (b, T, h, d_k)
     k:Tensor, # keys (b, T, h, d_k)
     v:Tensor, # values (b, T, h_v, d_v), h_v a multiple of h
-    g:Tensor, # log-decay (b, T, h_v), <= 0: the state is multiplied by exp(g)
-    beta:Tensor, # write strength (b, T, h_v), in [0, 1]
+    g:Tensor|None=None, # log-decay (b, T, h_v), <= 0: the state is multiplied by exp(g)
+    gk:Tensor|None=None, # a log-decay per key channel (b, T, h_v, d_k), with g or alone
+    gv:Tensor|None=None, # per value channel: refused, not computed here
+    beta:Tensor|None=None, # write strength (b, T, h_v), in [0, 1]; None: ones
     scale:float|None=None, # multiplies q; None: 1 / sqrt(d_k)
     initial_state:Tensor|None=None, # S0 (b, h_v, d_k, d_v); None: zeros
     output_final_state:bool=False, # also return the last state
     use_qk_l2norm_in_kernel:bool=False, # give q and k unit length first
-) -> tuple: # o (b, T, h_v, d_v) in v's dtype; final state (b, h_v, d_k, d_v) or None
+    use_gate_in_kernel:bool=False, A_log:Tensor|None=None, dt_bias:Tensor|None=None,
+    use_beta_sigmoid_in_kernel:bool=False, allow_neg_eigval:bool=False,
+    state_v_first:bool=False, # the state as (b, h_v, d_v, d_k)
+    cu_seqlens:Tensor|None=None, # sequences packed along T (batch 1): each alone
+    **kwargs, # fla's others (e.g. cu_seqlens_cpu)
+) -> tuple: # o (b, T, h_v, d_v) in v's dtype; final state (b | N, h_v, d_k, d_v)
     "Gated DeltaNet token by token: S = aS + b k (v - (aS)^T k)^T, o = S^T q (fla's)."
-    q, k, v2, g, beta, S = _prepare(q, k, v, g, beta, scale, initial_state,
-                                    use_qk_l2norm_in_kernel)
-    o, S = _recurrent(q, k, v2, g, beta, S)
-    return o.transpose(1, 2).to(v.dtype), (S if output_final_state else None)
+    gate = (g if gk is None else gk if g is None else g[..., None] + gk)
+    if gate is None: gate = q.new_zeros(v.shape[:3])                 # no decay
+    if beta is None: beta = q.new_ones(v.shape[:3])
+    return _fla("fused_recurrent_gated_delta_rule", False, q, k, v, gate, beta, scale,
+                initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                gk is not None, dict(kwargs, gv=gv, A_log=A_log, dt_bias=dt_bias,
+                use_gate_in_kernel=use_gate_in_kernel, state_v_first=state_v_first,
+                use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                allow_neg_eigval=allow_neg_eigval, cu_seqlens=cu_seqlens))
 
 def fused_recurrent_kda(
     q:Tensor, # queries (b, T, h, d_k)
@@ -113,16 +199,25 @@ def fused_recurrent_kda(
     v:Tensor, # values (b, T, h_v, d_v)
     g:Tensor, # log-decay per channel (b, T, h_v, d_k), <= 0
     beta:Tensor, # write strength (b, T, h_v), in [0, 1]
+    A_log:Tensor|None=None, dt_bias:Tensor|None=None, # with use_gate_in_kernel
     scale:float|None=None, # multiplies q; None: 1 / sqrt(d_k)
     initial_state:Tensor|None=None, # S0 (b, h_v, d_k, d_v); None: zeros
     output_final_state:bool=False, # also return the last state
     use_qk_l2norm_in_kernel:bool=False, # give q and k unit length first
+    use_gate_in_kernel:bool=False, use_beta_sigmoid_in_kernel:bool=False,
+    allow_neg_eigval:bool=False, lower_bound:float|None=None, # refused if given
+    state_v_first:bool=False, # the state as (b, h_v, d_v, d_k)
+    cu_seqlens:Tensor|None=None, # sequences packed along T (batch 1): each alone
+    **kwargs, # fla's others
 ) -> tuple: # o (b, T, h_v, d_v); final state or None
     "Kimi Delta Attention token by token: decay diag(exp(g_t)), one per key channel."
-    q, k, v2, g, beta, S = _prepare(q, k, v, g, beta, scale, initial_state,
-                                    use_qk_l2norm_in_kernel, per_channel=True)
-    o, S = _recurrent(q, k, v2, g, beta, S)
-    return o.transpose(1, 2).to(v.dtype), (S if output_final_state else None)
+    return _fla("fused_recurrent_kda", False, q, k, v, g, beta, scale, initial_state,
+                output_final_state, use_qk_l2norm_in_kernel, True, dict(
+                    kwargs, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                    use_gate_in_kernel=use_gate_in_kernel, state_v_first=state_v_first,
+                    use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                    allow_neg_eigval=allow_neg_eigval, cu_seqlens=cu_seqlens))
+
 
 # %% ../nbs/18_linear.ipynb #df5b1f12
 def _chunks(x:Tensor, C:int) -> Tensor: # (b, h, n, C, ...)
@@ -182,15 +277,20 @@ def chunk_gated_delta_rule(
     scale:float|None=None, # multiplies q; None: 1 / sqrt(d_k)
     initial_state:Tensor|None=None, # S0 (b, h_v, d_k, d_v); None: zeros
     output_final_state:bool=False, # also return the last state
-    chunk_size:int=64, # tokens per chunk: the WY solve's size
     use_qk_l2norm_in_kernel:bool=False, # give q and k unit length first
-) -> tuple: # o (b, T, h_v, d_v) in v's dtype; final state (b, h_v, d_k, d_v) or None
+    use_beta_sigmoid_in_kernel:bool=False, allow_neg_eigval:bool=False,
+    state_v_first:bool=False, # the state as (b, h_v, d_v, d_k)
+    cu_seqlens:Tensor|None=None, # sequences packed along T (batch 1): each alone
+    cu_seqlens_cpu:Tensor|None=None, # the same on the host (fla's; unused here)
+    cp_context=None, # fla's context parallelism: refused
+    **kwargs, # chunk_size (64: tokens per chunk, any size here), use_gate_in_kernel...
+) -> tuple: # o (b, T, h_v, d_v) in v's dtype; final state (b | N, h_v, d_k, d_v)
     "Gated DeltaNet a chunk at a time; equal to `fused_recurrent_gated_delta_rule`."
-    _check_chunk(chunk_size)
-    q, k, v2, g, beta, S = _prepare(q, k, v, g, beta, scale, initial_state,
-                                    use_qk_l2norm_in_kernel)
-    o, S = _chunked(q, k, v2, g, beta, S, chunk_size)
-    return o.transpose(1, 2).to(v.dtype), (S if output_final_state else None)
+    return _fla("chunk_gated_delta_rule", True, q, k, v, g, beta, scale, initial_state,
+                output_final_state, use_qk_l2norm_in_kernel, False, dict(
+                    kwargs, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                    allow_neg_eigval=allow_neg_eigval, state_v_first=state_v_first,
+                    cu_seqlens=cu_seqlens, cp_context=cp_context))
 
 def chunk_kda(
     q:Tensor, # queries (b, T, h, d_k)
@@ -201,15 +301,25 @@ def chunk_kda(
     scale:float|None=None, # multiplies q; None: 1 / sqrt(d_k)
     initial_state:Tensor|None=None, # S0 (b, h_v, d_k, d_v); None: zeros
     output_final_state:bool=False, # also return the last state
-    chunk_size:int=64, # tokens per chunk
     use_qk_l2norm_in_kernel:bool=False, # give q and k unit length first
+    use_gate_in_kernel:bool=False, use_beta_sigmoid_in_kernel:bool=False,
+    allow_neg_eigval:bool=False, safe_gate:bool=False, lower_bound:float|None=None,
+    disable_recompute:bool=False, return_intermediate_states:bool=False,
+    state_v_first:bool=False, # the state as (b, h_v, d_v, d_k)
+    cu_seqlens:Tensor|None=None, # sequences packed along T (batch 1): each alone
+    cu_seqlens_cpu:Tensor|None=None, cp_context=None, # fla's; the second refused
+    **kwargs, # chunk_size (64), A_log and dt_bias with use_gate_in_kernel
 ) -> tuple: # o (b, T, h_v, d_v); final state or None
     "Kimi Delta Attention a chunk at a time; equal to `fused_recurrent_kda`."
-    _check_chunk(chunk_size)
-    q, k, v2, g, beta, S = _prepare(q, k, v, g, beta, scale, initial_state,
-                                    use_qk_l2norm_in_kernel, per_channel=True)
-    o, S = _chunked(q, k, v2, g, beta, S, chunk_size)
-    return o.transpose(1, 2).to(v.dtype), (S if output_final_state else None)
+    return _fla("chunk_kda", True, q, k, v, g, beta, scale, initial_state,
+                output_final_state, use_qk_l2norm_in_kernel, True, dict(
+                    kwargs, use_gate_in_kernel=use_gate_in_kernel,
+                    use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                    allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate,
+                    lower_bound=lower_bound, state_v_first=state_v_first,
+                    return_intermediate_states=return_intermediate_states,
+                    cu_seqlens=cu_seqlens, cp_context=cp_context))
+
 
 # %% ../nbs/18_linear.ipynb #a098f3ee
 class GatedRMSNorm(nn.Module):
@@ -319,9 +429,11 @@ def forward(self:GatedDeltaNet,
            ) -> Tensor: # (b, T, d_model)
     "Project, conv window + x, gated delta rule from the held state, norm, project."
     x = hidden_states
-    if kwargs.get("cu_seq_lens_q") is not None:
-        raise ValueError("GatedDeltaNet does not take packed sequences (cu_seq_lens_q)")
     bsz, T, _ = x.shape
+    documents = _documents(kwargs, x, cache, cache_params)  # folded below
+    if documents is not None:  # packed: each document from a zero state, alone
+        return torch.cat([torch.cat([self(x[r:r + 1, s:e]) for s, e in row], 1)
+                          for r, row in enumerate(documents)])      # (b, T, d_model)
     if attention_mask is not None:
         if tuple(attention_mask.shape) != (bsz, T):
             raise ValueError(f"attention_mask must be {bsz}x{T} (b, T); got "
@@ -348,7 +460,7 @@ def forward(self:GatedDeltaNet,
     g = -self.A_log.to(work).exp() * F.softplus(a.to(work) + self.dt_bias)  # (b,T,h_v)
     kernel = (fused_recurrent_gated_delta_rule if T == 1 else
               functools.partial(chunk_gated_delta_rule, chunk_size=self.chunk_size))
-    o, S = kernel(q, k, v, g, b.sigmoid(), initial_state=state,
+    o, S = kernel(q, k, v, g=g, beta=b.sigmoid(), initial_state=state,
                   output_final_state=cache is not None or cache_params is not None,
                   use_qk_l2norm_in_kernel=True)
     if cache_params is not None:
@@ -359,6 +471,33 @@ def forward(self:GatedDeltaNet,
         cache.conv, cache.state = full[..., full.shape[-1] - (self.K - 1):], S
         cache.seen += T
     return self.out_proj(self.norm(o, z).reshape(bsz, T, -1))
+
+# %% ../nbs/18_linear.ipynb #eb9e23f4
+def _documents(kwargs:dict, # forward's other arguments: document_ids, cu_seq_lens_q
+               x:Tensor, # the tokens, (b, T, d_model)
+               cache, cache_params, # a cache continues one sequence per row
+              ) -> list|None: # per row, the (start, end) of each document; or None
+    "Where each packed document starts and ends: from document_ids or cu_seq_lens_q."
+    (b, T, _), ids = x.shape, kwargs.get("document_ids")
+    cu = kwargs.get("cu_seq_lens_q")
+    if ids is None and cu is None: return None
+    if cache is not None or cache_params is not None:
+        raise ValueError("GatedDeltaNet takes document_ids or cu_seq_lens_q (packed "
+                         "documents) only without a cache: a cache continues one "
+                         "sequence per row")
+    if ids is None:                                # transformers' packed batch of 1
+        if b != 1:
+            raise ValueError(f"cu_seq_lens_q packs documents in a batch of 1; "
+                             f"got b={b}")
+        bounds = cu.tolist()
+        return [list(zip(bounds, bounds[1:]))]
+    _check_document_ids(ids, x)                  # integers, (b, T)
+    rows = []
+    for row in ids.tolist():                       # a document: a run of equal ids
+        starts = [0] + [t for t in range(1, T) if row[t] != row[t - 1]] + [T]
+        rows.append(list(zip(starts, starts[1:])))
+    return rows
+
 
 # %% ../nbs/18_linear.ipynb #9579e104
 def _from_config(cls,

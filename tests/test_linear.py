@@ -35,7 +35,8 @@ def rule_inputs(kda: bool, b=2, T=37, h=2, h_v=4, d_k=16, d_v=8, dtype=torch.flo
 def run(fn, name, x, S0, chunk):
     kw = dict(initial_state=S0, output_final_state=True, use_qk_l2norm_in_kernel=True)
     if name.startswith('chunk'): kw['chunk_size'] = chunk
-    return fn(*x, **kw)
+    q, k, v, g, beta = x                  # g and beta by name: fla's fused_recurrent_gated_delta_rule puts gk, gv first
+    return fn(q, k, v, g=g, beta=beta, **kw)
 
 
 @pytest.mark.parametrize('with_state', [False, True], ids=['zero_state', 'initial_state'])
@@ -112,8 +113,8 @@ def test_layer_errors_and_cache():
             layer(torch.randn(3, 1, 32), cache=cache)
         with pytest.raises(ValueError, match='attention_mask must be 2x5 \\(b, T\\); got 2x4'):
             layer(torch.randn(2, 5, 32), attention_mask=torch.ones(2, 4))
-        with pytest.raises(ValueError, match='packed sequences'):
-            layer(torch.randn(1, 5, 32), cu_seq_lens_q=torch.tensor([0, 2, 5]))
+        with pytest.raises(ValueError, match='only without a cache'):
+            layer(torch.randn(1, 5, 32), cache=RecurrentCache(), cu_seq_lens_q=torch.tensor([0, 2, 5]))
 
 
 @pytest.mark.parametrize('layout', ['qwen3_next', 'qwen3_5'])

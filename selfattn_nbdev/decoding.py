@@ -19,7 +19,8 @@ from .core import (_forget_old_main, check_flag, check_range, check_size,
 from . import generation
 from .multihead import MultiHeadAttention
 from .generation import (KVCache, TinyGPT, _check_generation, _decode,
-                                       _signature_with, _stop_ids, sample_next)
+                                       _check_sampling, _signature_with, _stop_ids,
+                                       sample_next, truncated_logits)
 
 # %% ../nbs/07_batches.ipynb #f1a894cd
 DECODE_MIN_BOUND = 256  # the fewest columns a compiled decode step attends to
@@ -370,7 +371,7 @@ def sample_next(
     repetition_penalty:float=1.0, # theta of penalize_repeats, on the seen tokens
     seen:Tensor|None=None, # bool (b, vocab_size): the tokens each row holds
 ) -> Tensor: # the chosen token of each row, (b,)
-    "Pick each row's next token: penalize repeats, then greedy or truncated sampling."
+    "Each row's next token, in transformers' order: penalty, t, top-k, top-p, min-p."
     _check_choice(min_p, repetition_penalty)
     if repetition_penalty != 1.0:
         if not (isinstance(seen, Tensor) and seen.dtype == torch.bool
@@ -380,9 +381,11 @@ def sample_next(
             raise ValueError(f"repetition_penalty needs seen, a bool tensor of the "
                              f"logits' shape (b, vocab_size); got {got}")
         logits = penalize_repeats(logits, seen, repetition_penalty)
-    if min_p is not None and temperature != 0:
-        logits = keep_min_p(logits, min_p, temperature)
-    return sample_next.replaced(logits, temperature, top_k, top_p, generator)
+    if min_p is None or temperature == 0:
+        return sample_next.replaced(logits, temperature, top_k, top_p, generator)
+    _check_sampling(temperature, top_k, top_p, logits, generator)
+    kept = truncated_logits(logits, temperature, top_k, top_p)  # tempered already:
+    return sample_next.replaced(keep_min_p(kept, min_p), 1.0, None, None, generator)
 
 def _check_choice(min_p, repetition_penalty) -> None:
     "min_p in [0, 1] or None; a repetition penalty > 0."

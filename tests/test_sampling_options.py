@@ -68,3 +68,43 @@ def test_unknown_options_are_refused_with_what_is_supported():
 def test_a_penalty_without_seen_is_refused():
     with pytest.raises(ValueError, match='seen'):
         sample_next(torch.randn(2, 5), repetition_penalty=1.2)
+
+
+OPTIONS = dict(temperature=0.7, top_k=6, top_p=0.8, min_p=0.15, repetition_penalty=1.3)
+
+
+@pytest.mark.parametrize('names', [pair for i, a in enumerate(OPTIONS) for pair in
+                                   [(a, b) for b in list(OPTIONS)[i + 1:]]] + [tuple(OPTIONS)],
+                         ids=lambda names: '+'.join(names))
+def test_options_compose_as_transformers_composes_them(names):
+    """Each pair (and all five) against transformers' processors in generate's order: repetition penalty,
+    temperature, top-k, top-p, min-p. The same generator draws from both distributions: the same tokens."""
+    from transformers.generation.logits_process import (LogitsProcessorList, MinPLogitsWarper,
+                                                        RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
+                                                        TopKLogitsWarper, TopPLogitsWarper)
+    given = {n: OPTIONS[n] for n in names}
+    t = given.get('temperature', 1.0)
+    steps = [RepetitionPenaltyLogitsProcessor(given['repetition_penalty'])] if 'repetition_penalty' in given else []
+    steps += [TemperatureLogitsWarper(t)]
+    steps += [TopKLogitsWarper(given['top_k'])] if 'top_k' in given else []
+    steps += [TopPLogitsWarper(given['top_p'])] if 'top_p' in given else []
+    steps += [MinPLogitsWarper(given['min_p'])] if 'min_p' in given else []
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 40, generator=gen, dtype=torch.float64) * 2        # (b, vocab)
+    history = torch.randint(0, 40, (64, 6), generator=gen)
+    seen = torch.zeros(64, 40, dtype=torch.bool).scatter(1, history, True)
+    theirs = LogitsProcessorList(steps)(history, logits.clone()).softmax(-1)
+    for seed in range(5):
+        ours = sample_next(logits, t, given.get('top_k'), given.get('top_p'), torch.Generator().manual_seed(seed),
+                           min_p=given.get('min_p'), repetition_penalty=given.get('repetition_penalty', 1.0),
+                           seen=seen)
+        want = torch.multinomial(theirs, 1, generator=torch.Generator().manual_seed(seed))[:, 0]
+        assert torch.equal(ours, want), (names, seed)
+
+
+def test_top_p_then_min_p_as_transformers():
+    "The report's row: top-p first keeps tokens 0 and 1, min-p keeps both; min-p first would leave token 0 alone."
+    probs = torch.tensor([[0.5, 0.3] + [0.005] * 40])
+    g = torch.Generator().manual_seed(0)
+    drawn = {sample_next(probs.log(), 1.0, top_p=0.6, min_p=0.5, generator=g).item() for _ in range(200)}
+    assert drawn == {0, 1}

@@ -133,7 +133,7 @@ def native(model_type: str) -> float | str:
     with tempfile.TemporaryDirectory() as folder:
         model.save_pretrained(folder)
         try: ours = from_hf(folder)
-        except ValueError as e: return "refused: " + str(e).split(":")[0]
+        except ValueError as e: return "refused: " + str(e).split(": ", 1)[-1].split(". ")[0]  # the reason
         ids = padded_batch()[0][:1]
         with torch.no_grad(): return relative(ours(ids), model(ids).logits)
 

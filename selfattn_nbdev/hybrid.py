@@ -143,8 +143,8 @@ class HybridBlock(nn.Module):
     def forward(self,
                 x:Tensor, # token vectors, (b, num_tokens, d_model)
                 cache=None, # HybridCache (linear), KVCache / StaticKVCache (softmax)
-                **mods, # score_mod, scale: for softmax attention (a linear block has
-               ) -> Tensor: # no scores); (b, num_tokens, d_model)
+                **mods, # score_mod, scale, document_ids: for softmax attention
+               ) -> Tensor: # (b, num_tokens, d_model)
         "Mix the tokens, add; transform each token, add. Padding never enters a state."
         if self.linear:
             real = None if cache is None else cache.real_tokens(x.shape[1], x.device)
@@ -169,15 +169,22 @@ def hybrid_layer_types(
 class Qwen35(TinyGPT):
     "Qwen3.5 (text): Gated DeltaNet blocks and gated-attention blocks, 3 to 1."
     def __init__(self,
-                 vocab_size:int, context_length:int, # tokens; the longest sequence
-                 d_model:int, num_heads:int, num_layers:int, # width, heads, blocks
-                 num_kv_heads:int, d_hidden:int, head_dim:int, # kv heads, MLP, head
+                 vocab_size:int, # tokens
+                 context_length:int, # the longest sequence
+                 d_model:int, # the width of every token vector
+                 num_heads:int, # query heads of the attention blocks
+                 num_layers:int, # blocks
+                 num_kv_heads:int, # key/value heads of the attention blocks
+                 d_hidden:int, # the MLP's width
+                 head_dim:int, # the attention blocks' head width
                  layer_types:list|None=None, # HYBRID_TYPES, one a block; None: 3:1
                  rope_base:float=10000.0, # RoPE's base (rope_theta)
                  rope_scaling:dict|None=None, # a rescaling (rope_frequencies)
                  partial_rotary_factor:float=0.25, # the share of a head RoPE turns
-                 linear_num_key_heads:int=16, linear_num_value_heads:int=32, # h, h_v
-                 linear_key_head_dim:int=128, linear_value_head_dim:int=128, # d_k, d_v
+                 linear_num_key_heads:int=16, # h, the linear blocks' key heads
+                 linear_num_value_heads:int=32, # h_v, their value heads
+                 linear_key_head_dim:int=128, # d_k
+                 linear_value_head_dim:int=128, # d_v
                  linear_conv_kernel_dim:int=4, # the short conv's width K
                  norm_eps:float=1e-6, # every norm's epsilon (rms_norm_eps)
                  attention_bias:bool=False, # biases in q, k, v and o projections

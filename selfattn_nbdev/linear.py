@@ -324,10 +324,16 @@ def chunk_kda(
 # %% ../nbs/18_linear.ipynb #a098f3ee
 class GatedRMSNorm(nn.Module):
     "Each head's output over its RMS, times weight, gated by silu(z) (Qwen3-Next's)."
-    def __init__(self, dim:int, eps:float=1e-6): # dim: d_v, one head's output
+    def __init__(self,
+                 dim:int, # d_v, one head's output
+                 eps:float=1e-6, # added to the mean square
+                ):
         super().__init__()
         self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
-    def forward(self, x:Tensor, z:Tensor) -> Tensor: # x, z (..., d_v) -> (..., d_v)
+    def forward(self,
+                x:Tensor, # a head's output (..., d_v)
+                z:Tensor, # its gate (..., d_v)
+               ) -> Tensor: # (..., d_v)
         "weight * x / rms(x) * silu(z), in float32 for half-precision inputs."
         work = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
         xw = x.to(work)

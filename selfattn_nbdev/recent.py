@@ -5,16 +5,18 @@
 # %% auto #0
 __all__ = ['RESCALINGS', 'LLAMA3_KEYS', 'YARN_DEFAULTS', 'SINK_BLOCK', 'LAYER_TYPES', 'yarn_mscale', 'check_rope_scaling',
            'check_yarn', 'rope_frequencies', 'yarn_frequencies', 'soft_cap', 'softmax_with_sink', 'sink_after',
-           'LlamaAttention', 'soft_cap_mod', 'layer_windows', 'kv_cache_bytes']
+           'LlamaAttention', 'soft_cap_mod', 'sinks_by_sdpa', 'layer_windows', 'kv_cache_bytes']
 
 # %% ../nbs/12_recent.ipynb #585e2e3e
 import functools, math, numbers
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .core import check_flag, check_size, patch
+from .causal import causal_mask
 from .masks import block_mask
 from .multihead import MultiHeadAttention
 from .modern import _shared_table, repeat_kv, rope_rotate
@@ -360,6 +362,10 @@ def _attend_sunk(self:LlamaAttention, queries, keys, values, key_padding_mask=No
                 ) -> Tensor: # (b, heads, T, head_dim)
     "Sinks after the tiled kernel's L: masked tiles skipped, no (T, keys) scores."
     (b, _, T, hd), kv, S = queries.shape, self.num_kv_heads, keys.shape[2]
+    if self._sinks_by_sdpa(queries, score_mod):  # a GPU: one more key, SDPA's kernels
+        if allowed is None:
+            allowed = self._allowed(T, S, key_padding_mask, document_ids, mask_mod, b)
+        return sinks_by_sdpa(queries, keys, values, self.sinks, allowed)
     group = self.num_heads // kv
     if cached and torch.is_grad_enabled():  # a cache writes its storage in place
         keys, values = keys.clone(), values.clone()  # before backward reads these
@@ -389,6 +395,33 @@ def _attend_sunk(self:LlamaAttention, queries, keys, values, key_padding_mask=No
                                    SINK_BLOCK, tiles, self._score_mod(score_mod),
                                    return_lse=True)
     return sink_after(heads(context), heads(lse), self.sinks)   # (b, heads, T, hd)
+
+@patch
+def _sinks_by_sdpa(self:LlamaAttention, queries:Tensor, score_mod) -> bool:
+    "On a GPU, without a score function: the tiled kernel's loop is slow there."
+    return queries.is_cuda and score_mod is None and self.softcap is None
+
+def sinks_by_sdpa(
+    queries:Tensor, # (b, heads, T, hd), scaled for 1 / sqrt(hd)
+    keys:Tensor, values:Tensor, # (b, kv_heads, S, hd), (b, kv_heads, S, hd_v)
+    sinks:Tensor, # one logit per query head, (heads,)
+    allowed:Tensor|None, # bool (b | 1, heads | 1, T, S), True = attend; None: causal
+) -> Tensor: # (b, heads, T, hd_v): softmax_with_sink's weights times the values
+    "Sinks through SDPA: one more key per head, scored the sink, its value zero."
+    (b, h, T, hd), S = queries.shape, keys.shape[2]
+    keys, values = (repeat_kv(t, h // keys.shape[1]) for t in (keys, values))
+    extra = 8 - hd % 8                      # one more number, to a multiple of 8
+    pad = lambda t, first: torch.cat([t, t.new_full((*t.shape[:-1], 1), first),
+                                      t.new_zeros(*t.shape[:-1], extra - 1)], -1)
+    sink_key = pad(keys.new_zeros(b, h, 1, hd), 0.0)            # (b, h, 1, hd + extra)
+    sink_key[..., hd] = sinks.to(keys.dtype)[:, None] * math.sqrt(hd)  # q'.k' = sink
+    keys = torch.cat([pad(keys, 0.0), sink_key], 2)          # (b, h, S + 1, hd + extra)
+    values = torch.cat([values, values.new_zeros(b, h, 1, values.shape[-1])], 2)
+    if allowed is None: allowed = ~causal_mask(T, queries.device, S)          # (T, S)
+    allowed = torch.cat([allowed.expand(*allowed.shape[:-1], S),  # the sink: always
+                         allowed.new_ones(*allowed.shape[:-1], 1)], -1)
+    return F.scaled_dot_product_attention(pad(queries, 1.0), keys, values, allowed,
+                                          scale=1 / math.sqrt(hd))
 
 @patch
 def _sinks_tiled(self:LlamaAttention, num_tokens:int) -> bool:

@@ -185,3 +185,50 @@ def test_shared_keys_broadcast_like_repeated_ones():
     assert max((a - b).abs().max().item() for a, b in zip((out, lse, *grads), (ref, ref_lse, *ref_grads))) < 1e-12
     with pytest.raises(ValueError, match='where query heads share them'):
         tiled_attention(q, k.expand(-1, -1, 2, -1, -1), v.expand(-1, -1, 2, -1, -1))
+
+
+@pytest.fixture
+def as_on_a_gpu(monkeypatch):
+    "The GPU's choice on this CPU: sinks through SDPA with one more key (no tiled kernel), counted."
+    from selfattn_nbdev import recent
+    calls, real = [], recent.sinks_by_sdpa
+    monkeypatch.setattr(LlamaAttention, '_sinks_by_sdpa', lambda self, q, score_mod:
+                        score_mod is None and self.softcap is None)
+    monkeypatch.setattr(recent, 'sinks_by_sdpa', lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(recent, 'tiled_attention', lambda *a, **k: pytest.fail('the tiled kernel was taken'))
+    return calls
+
+
+@pytest.mark.parametrize('name', ['causal', 'window', 'qk_norm, yarn'])
+def test_module_sinks_by_sdpa_equal_explicit(name, monkeypatch, as_on_a_gpu):
+    "A GPU's path, run here: forward and every gradient equal the explicit path's (sinks included)."
+    kwargs, kw = CASES[name]
+    x = torch.randn(2, T, D, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    compare(module(**kwargs), x, monkeypatch, **kw)
+    assert as_on_a_gpu
+
+
+def test_sinks_by_sdpa_with_padding_documents_and_a_cache(monkeypatch, as_on_a_gpu):
+    x = torch.randn(2, T, D, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    pad = torch.zeros(2, T, dtype=torch.bool); pad[0, :11] = True; pad[1, -5:] = True
+    compare(module(), x, monkeypatch, key_padding_mask=pad)
+    docs = torch.zeros(2, T, dtype=torch.long); docs[0, 30:] = 1; docs[1, 10:] = 1; docs[1, 50:] = 2
+    compare(module(), x, monkeypatch, document_ids=docs)
+    m, x = module(window=20), x[:1]
+    with torch.no_grad():
+        full, cache = explicit(m, x), KVCache()
+        parts = [m(x[:, :40], cache=cache), m(x[:, 40:69], cache=cache), m(x[:, 69:], cache=cache)]
+    assert (torch.cat(parts, 1) - full).abs().max() < 1e-12 and len(as_on_a_gpu) == 4  # 1 token: explicit
+
+
+def test_sinks_by_sdpa_pads_the_head_to_a_multiple_of_eight():
+    "One more number for the sink's score, then zeros to a multiple of 8 (the fused kernels' widths)."
+    from selfattn_nbdev.recent import sinks_by_sdpa
+    for hd in (7, 8, 64):
+        q = torch.randn(1, 2, 5, hd, dtype=torch.float64)
+        k, v = torch.randn(2, 1, 1, 5, hd, dtype=torch.float64).unbind(0)
+        sinks = torch.tensor([0.5, -1.0], dtype=torch.float64)
+        scores = (q @ k.transpose(-1, -2) / math.sqrt(hd)).masked_fill(
+            ~torch.ones(5, 5, dtype=torch.bool).tril(), -math.inf)
+        want = softmax_with_sink(scores, sinks) @ v
+        assert (sinks_by_sdpa(q, k, v, sinks, None) - want).abs().max() < 1e-12

@@ -12,12 +12,13 @@ Parts (each written to the JSON as soon as it is measured, so a run cut short ke
   T = 4,096, bfloat16 inputs, q and k l2-normalised in the kernel; forward, and forward + backward of o.sum();
   the largest difference of each output from the package's, computed in float32.
 - `sinks`: one causal `LlamaAttention` (d_model 1,024, 16 query heads and 4 key/value heads of 64, RoPE, gpt-oss's
-  sinks) at T = 4,096, batch 1, bfloat16, forward + backward: the path it takes (`tiled_attention` with the
-  log-sum-exp, then `sink_after`) against the same module forced onto the explicit path, and without sinks (SDPA);
+  sinks) at T = 4,096, batch 1, bfloat16, forward + backward: the path it takes (on CUDA `sinks_by_sdpa`, SDPA with
+  one more key per head; elsewhere the tiled kernel), the tiled kernel's log-sum-exp then `sink_after`, the same
+  module forced onto the explicit path, and without sinks (SDPA);
   time and the peak of CUDA memory allocated above what the module and its input hold.
 - `mla`: one `LatentAttention` decode step at DeepSeek-V3's per-head sizes (d_c 512, d_R 64, 16 heads of 128 + 64;
-  d_model 1,024: bench/mla_decode.py's layer) over 32,768 cached tokens, absorbed (through the latents) against
-  rebuilding every cached key and value.
+  d_model 1,024: bench/mla_decode.py's layer) over 1,024, 4,096 and 32,768 cached tokens, absorbed (through the
+  latents) against rebuilding every cached key and value.
 
 Times are medians of CUDA-synchronised runs after warm-ups. Printed and written, never asserted.
 """
@@ -98,13 +99,16 @@ def linear_part(device, dtype, T, result, save):
 
 def sinks_part(device, dtype, T, result, save, d_model=1024, heads=16, kv_heads=4):
     rows = {}
-    for case in ('sinks, through the log-sum-exp', 'sinks, explicit', 'no sinks (SDPA)'):
+    for case in ('sinks, the path it takes', 'sinks, through the log-sum-exp', 'sinks, explicit',
+                 'no sinks (SDPA)'):
         r = rows[case] = {}
         try:
             torch.manual_seed(0)
             m = LlamaAttention(d_model, T, num_heads=heads, num_kv_heads=kv_heads,
                                sinks=not case.startswith('no')).to(device, dtype)
             if case == 'sinks, explicit': m._sinks_tiled = lambda num_tokens: False
+            if case == 'sinks, through the log-sum-exp':   # the tiled kernel, not SDPA with one more key
+                m._sinks_by_sdpa = lambda queries, score_mod: False
             gen = torch.Generator(device='cpu').manual_seed(1)
             x = torch.randn(1, T, d_model, generator=gen).to(device, dtype).requires_grad_()
             w = torch.randn(1, T, d_model, generator=gen).to(device, dtype)
@@ -120,15 +124,28 @@ def sinks_part(device, dtype, T, result, save, d_model=1024, heads=16, kv_heads=
             del m
         except Exception as e:
             r['error'] = f'{type(e).__name__}: {e}'[:500]; traceback.print_exc()
-    a, b = rows.pop('sinks, through the log-sum-exp output', None), rows.pop('sinks, explicit output', None)
+    taken, a, b = (rows.pop(f'sinks, {n} output', None) for n in ('the path it takes', 'through the log-sum-exp',
+                                                                     'explicit'))
     rows.pop('no sinks (SDPA) output', None)
-    diff = (a - b).abs().max().item() if a is not None and b is not None else None
+    gap = lambda x, y: (x - y).abs().max().item() if x is not None and y is not None else None
     result['sinks'] = dict(T=T, batch=1, d_model=d_model, heads=heads, kv_heads=kv_heads, rows=rows,
-                           max_abs_diff_lse_vs_explicit=diff)
+                           path_taken='sinks_by_sdpa on CUDA, else the tiled kernel',
+                           max_abs_diff_lse_vs_explicit=gap(a, b), max_abs_diff_taken_vs_explicit=gap(taken, b))
     save()
 
 
-def mla_part(device, dtype, S, result, save):
+def mla_part(device, dtype, lengths, result, save):
+    "mla_one at each cached length: absorbed against rebuilt."
+    result['mla_by_length'] = {}
+    for S in lengths:
+        one = {}
+        mla_one(device, dtype, S, one, lambda: None)
+        result['mla_by_length'][str(S)] = one['mla']
+        if S == max(lengths): result['mla'] = one['mla']
+        save()
+
+
+def mla_one(device, dtype, S, result, save):
     sizes = dict(d_model=1024, num_heads=16, kv_rank=512, rope_dim=64, nope_dim=128, v_dim=128, q_rank=384)
     torch.manual_seed(0)
     layer = LatentAttention(context_length=S + 64, **sizes).to(device, dtype).eval()
@@ -175,7 +192,7 @@ def main():
     save = lambda: out and out.write_text(json.dumps(result, indent=1) + '\n')
     runs = {'linear': lambda: linear_part(device, dtype, 4096 if cuda else 256, result, save),
             'sinks': lambda: sinks_part(device, dtype, 4096 if cuda else 128, result, save),
-            'mla': lambda: mla_part(device, dtype, 32768 if cuda else 512, result, save)}
+            'mla': lambda: mla_part(device, dtype, (1024, 4096, 32768) if cuda else (128, 512), result, save)}
     run_parts(runs, a.part.split(','), result, save, out)
 
 

@@ -9,21 +9,28 @@
 #     absorbed MLA decoding at 32k cached tokens. flash-linear-attention is not on the GPU machine's image: its
 #     fla-core wheel travels in .whl/ (pip download --no-deps fla-core==0.6.0) and is installed for this part only.
 #   OUT=folder bash bench/gpu_run_round.sh     # logs and JSON land in $OUT
+# To measure a part again alone: DECODE_S=0 or PACKED_S=0 skip those; ROUND_PARTS=sinks,mla picks gpu_round's parts;
+# DECODE_ARGS='--tuned --shapes ...' is passed to gpu_decode.py.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 { nvidia-smi -L; python3 -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda)"
   python3 -c "import transformers; print('transformers', transformers.__version__)"; date -u; } > "$OUT/device.txt" 2>&1
-timeout "${DECODE_S:-350}" python3 bench/gpu_decode.py --part decode --out "$OUT/gpu_decode.json" > "$OUT/decode.log" 2>&1
-echo "decode: exit $?" >> "$OUT/device.txt"
-timeout "${PACKED_S:-80}" python3 bench/gpu_packed.py --part documents --out "$OUT/gpu_packed.json" \
-    > "$OUT/packed.log" 2>&1
-echo "packed: exit $?" >> "$OUT/device.txt"
+if [ "${DECODE_S:-350}" != 0 ]; then
+  timeout "${DECODE_S:-350}" python3 bench/gpu_decode.py --part decode ${DECODE_ARGS:-} --out "$OUT/gpu_decode.json" \
+      > "$OUT/decode.log" 2>&1
+  echo "decode: exit $?" >> "$OUT/device.txt"
+fi
+if [ "${PACKED_S:-80}" != 0 ]; then
+  timeout "${PACKED_S:-80}" python3 bench/gpu_packed.py --part documents --out "$OUT/gpu_packed.json" \
+      > "$OUT/packed.log" 2>&1
+  echo "packed: exit $?" >> "$OUT/device.txt"
+fi
 if ls .whl/fla_core-*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/fla_core-*.whl \
     >> "$OUT/device.txt" 2>&1
 fi
-PYTHONPATH=$PWD:/tmp/site timeout "${ROUND_S:-110}" python3 bench/gpu_round.py --out "$OUT/gpu_round.json" \
-    > "$OUT/round.log" 2>&1
+PYTHONPATH=$PWD:/tmp/site timeout "${ROUND_S:-110}" python3 bench/gpu_round.py --part "${ROUND_PARTS:-linear,sinks,mla}" \
+    --out "$OUT/gpu_round.json" > "$OUT/round.log" 2>&1
 echo "round: exit $?" >> "$OUT/device.txt"
 cat "$OUT/device.txt"; grep -h "tokens/s\|over_varlen\|linear \|sinks \|mla \|rror" "$OUT"/*.log | cut -c1-400 | head -40

@@ -1,5 +1,6 @@
 """DeepSeek Sparse Attention (nbs/19_sparse.ipynb): sparse attention by gather equals dense attention masked to the
 kept keys (float64, forward and gradients); the Indexer equals transformers' DeepseekV32Indexer on the same weights;
+indexer_kl_loss is DeepSeek-V3.2's KL loss, over the causal keys (the warm-up) or the kept ones (the sparse stage);
 and a tiny random DeepSeek-V3.2 built by transformers, its weights in the package's DeepSeekV3 with
 SparseLatentAttention blocks, gives the same logits, the same greedy tokens, cached and uncached, on a left-padded
 batch of texts longer than index_topk."""
@@ -11,8 +12,8 @@ import torch
 from selfattn_nbdev.decoding import StaticKVCache, generate
 from selfattn_nbdev.generation import KVCache
 from selfattn_nbdev.models import DeepSeekV3, LatentAttention, deepseek_weight_map, load_hf_state_dict
-from selfattn_nbdev.sparse import (Indexer, SparseLatentAttention, index_mask, lightning_indexer, sparse_attention,
-                                   topk_indices)
+from selfattn_nbdev.sparse import (Indexer, SparseLatentAttention, index_mask, indexer_kl_loss, lightning_indexer,
+                                   sparse_attention, topk_indices)
 
 transformers = pytest.importorskip('transformers')
 
@@ -79,6 +80,63 @@ def test_lightning_indexer_is_its_formula():
     assert I.shape == (2, 5, 7) and (I - ref).abs().max() < 1e-12
 
 
+
+def _attention(b, h, T, S, seed):
+    "Random causal softmax weights (b, h, T, S), the queries being the last T of S keys."
+    torch.manual_seed(seed)
+    future = torch.ones(T, S, dtype=torch.bool).triu(S - T + 1)
+    return torch.softmax(torch.randn(b, h, T, S, dtype=F64).masked_fill(future, -math.inf), -1), ~future
+
+
+def test_indexer_kl_loss_is_the_kl_divergence_to_the_head_summed_weights():
+    "The dense warm-up: sum over t of KL(p_t || softmax(I_t)) over the causal keys, averaged over the rows."
+    alpha, allowed = _attention(2, 3, 5, 7, seed=0)
+    scores = torch.randn(2, 5, 7, dtype=F64)
+    p = alpha.sum(1) / 3
+    q = torch.softmax(scores.masked_fill(~allowed, -math.inf), -1)
+    ref = sum(p[b, t, s] * math.log(p[b, t, s] / q[b, t, s])
+              for b in range(2) for t in range(5) for s in range(7) if allowed[t, s]) / 2
+    assert abs(indexer_kl_loss(scores, alpha) - ref) < 1e-12
+    assert abs(indexer_kl_loss(p.log(), alpha)) < 1e-12                      # softmax(I_t) = p_t: nothing to learn
+    assert abs(indexer_kl_loss(scores.float(), alpha.float()) - ref) < 1e-5  # float32 scores, float32 target
+
+
+def test_indexer_kl_loss_over_the_kept_keys_and_its_gradient():
+    "The sparse stage: only the kept keys count, the target renormalised over them; gradients reach the scores only."
+    alpha, allowed = _attention(2, 4, 8, 8, seed=1)
+    alpha.requires_grad_(True)
+    scores = torch.randn(2, 8, 8, dtype=F64, requires_grad=True)
+    kept = index_mask(topk_indices(scores.detach(), 3), 8)                  # (b, T, S)
+    loss = indexer_kl_loss(scores, alpha, kept)
+    p = (alpha.detach().sum(1) * kept)
+    p = p / p.sum(-1, keepdim=True)
+    log_q = torch.log_softmax(scores.detach().masked_fill(~kept, -math.inf), -1)
+    ref = torch.where(kept, p * (p.log() - log_q), 0.0).sum() / 2
+    assert abs(loss - ref) < 1e-12
+    elsewhere = scores.detach().masked_fill(~kept, 100.0)                   # scores outside the kept keys: no matter
+    assert abs(indexer_kl_loss(elsewhere, alpha, kept) - ref) < 1e-12
+    loss.backward()
+    assert alpha.grad is None and scores.grad[~kept].abs().max() == 0 and scores.grad.abs().sum() > 0
+    assert torch.isfinite(indexer_kl_loss(scores, alpha, torch.zeros(8, 8, dtype=torch.bool)))  # no key: 0
+
+
+def test_training_the_indexer_by_its_loss_keeps_more_of_the_attention():
+    "A few dozen Adam steps on the indexer alone toward a fixed attention raise the weight its top k hold."
+    torch.manual_seed(0)
+    alpha, _ = _attention(1, 2, 16, 16, seed=2)
+    alpha = alpha ** 4 / (alpha ** 4).sum(-1, keepdim=True)                  # sharper, still causal
+    q_I = torch.randn(1, 4, 16, 8, dtype=F64, requires_grad=True)
+    k_I = torch.randn(1, 1, 16, 8, dtype=F64, requires_grad=True)
+    w = torch.randn(1, 16, 4, dtype=F64, requires_grad=True)
+    kept = lambda: index_mask(topk_indices(lightning_indexer(q_I, k_I, w).detach(), 4), 16)
+    share = lambda: (alpha * kept()[:, None]).sum(-1)[..., 4:].mean().item()
+    before = share()
+    optimizer = torch.optim.Adam([q_I, k_I, w], lr=0.05)
+    for _ in range(100):
+        loss = indexer_kl_loss(lightning_indexer(q_I, k_I, w), alpha)
+        optimizer.zero_grad(); loss.backward(); optimizer.step()
+    assert share() > before + 0.2
+
 @pytest.mark.parametrize('call,message', [
     (lambda: topk_indices(torch.zeros(1, 3, 3), 0), 'k must be an integer >= 1'),
     (lambda: topk_indices(torch.zeros(1, 3, 3), 2.5), 'k must be an integer >= 1'),
@@ -96,6 +154,8 @@ def test_lightning_indexer_is_its_formula():
     (lambda: lightning_indexer(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4), torch.zeros(1, 3, 2)),
      'keys (b, 1, S, d)'),
     (lambda: Indexer(64, 32, rope_dim=256), 'rope_dim must be even and at most head_dim=128'),
+    (lambda: indexer_kl_loss(torch.zeros(1, 3, 3), torch.zeros(1, 2, 3, 4)), 'attn_weights (b, h, T, S)'),
+    (lambda: indexer_kl_loss(torch.zeros(3, 3), torch.zeros(1, 2, 3, 3)), 'scores must be (b, T, S)'),
     (lambda: SparseLatentAttention(64, 100, 4, 32, 8, 16, 16, q_rank=None), 'q_rank must be a positive integer'),
     (lambda: SparseLatentAttention(64, 100, 4, 32, 8, 16, 16, q_rank=24, index_topk=0), 'index_topk must be'),
 ])

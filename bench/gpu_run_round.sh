@@ -10,14 +10,15 @@
 #     fla-core wheel travels in .whl/ (pip download --no-deps fla-core==0.6.0) and is installed for this part only.
 #   OUT=folder bash bench/gpu_run_round.sh     # logs and JSON land in $OUT
 # To measure a part again alone: DECODE_S=0 or PACKED_S=0 skip those; ROUND_PARTS=sinks,mla picks gpu_round's parts;
-# DECODE_ARGS='--tuned --shapes ...' is passed to gpu_decode.py.
+# DECODE_ARGS='--tuned' is passed to gpu_decode.py, DECODE_SHAPES='Llama-1B shape,...' as its --shapes.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 { nvidia-smi -L; python3 -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda)"
   python3 -c "import transformers; print('transformers', transformers.__version__)"; date -u; } > "$OUT/device.txt" 2>&1
 if [ "${DECODE_S:-350}" != 0 ]; then
-  timeout "${DECODE_S:-350}" python3 bench/gpu_decode.py --part decode ${DECODE_ARGS:-} --out "$OUT/gpu_decode.json" \
+  timeout "${DECODE_S:-350}" python3 bench/gpu_decode.py --part decode ${DECODE_ARGS:-} ${DECODE_SHAPES:+--shapes "$DECODE_SHAPES"} \
+      --out "$OUT/gpu_decode.json" \
       > "$OUT/decode.log" 2>&1
   echo "decode: exit $?" >> "$OUT/device.txt"
 fi

@@ -240,8 +240,10 @@ def main():
         result['refused'][kind] = refusal(kind)
     if not a.families_only:
         result['speed'] = speed(a.rounds)
-    elif Path(a.out).exists():  # keep the timing measured before
-        result['speed'] = json.loads(Path(a.out).read_text()).get('speed')
+    elif Path(a.out).exists():  # keep the timing measured before, and say so
+        before = json.loads(Path(a.out).read_text())
+        result['speed'] = before.get('speed')
+        result['command'] = f"{before['command'].split(', then')[0]}, then {result['command']} (the speed kept)"
     Path(a.out).write_text(json.dumps(result, indent=1) + '\n')
     print(f'wrote {a.out}')
 

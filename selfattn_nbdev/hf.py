@@ -75,13 +75,14 @@ def hf_mask(
     kv_length:int, # S, the keys they attend to
     q_offset:int=0, # transformers' position of the first query
     kv_offset:int=0, # and of the first key
-    mask_function:Callable=causal, # transformers' predicate, on those positions
+    mask_function:Callable|None=None, # transformers' predicate; None: causal
     attention_mask:Tensor|None=None, # bool (b, >= kv_offset + S), True = real token
     local_size:int|None=None, # the layer's window (or chunk), as transformers says
     **kwargs, # device, allow_is_causal_skip...: passed on to transformers' sdpa_mask
 ) -> Tensor|None: # sdpa's mask: None, or bool (b, 1, T, S), True = attend; with .hf
     "transformers' mask interface: sdpa's own mask, its predicate recognised beside it."
     from transformers.masking_utils import sdpa_mask  # only when transformers calls
+    if mask_function is None: mask_function = causal
     mask = sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset,
                      mask_function, attention_mask, local_size, **kwargs)
     if mask is None or torch.compiler.is_compiling(): return mask  # nothing to ask

@@ -15,6 +15,8 @@ from .modern import repeat_kv
 from .tiled import tiled_attention
 
 # %% ../nbs/21_mods.ipynb #d1f2d939
+# this page adds the 'block' kernel to the module's unfused path; the path as the
+# masks page left it stays, as _attend_explicitly, for every other kernel
 _attend_explicitly = MultiHeadAttention._attend_unfused  # Masks' version: explicit
 
 @patch

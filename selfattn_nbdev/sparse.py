@@ -55,8 +55,7 @@ def lightning_indexer(
 def topk_indices(
     scores:Tensor, # I: (b, T, S), index scores
     k:int, # keys kept per query (index_topk)
-    allowed:Tensor|None=None, # bool (b | 1, T, S) or (T, S), True = may attend;
-                              # None: causal, the queries being the last T keys
+    allowed:Tensor|None=None, # bool (b|1, T, S) or (T, S), True = attend; None: causal
 ) -> Tensor: # long (b, T, min(k, S)), in text order; -1: fewer keys allowed
     "The k best-scoring allowed keys of each query."
     if not (isinstance(scores, Tensor) and scores.dim() == 3
@@ -193,8 +192,8 @@ class Indexer(nn.Module):
 
     def index_keys(self,
                    x:Tensor, # token vectors, (b, T, d_model)
-                   cos:Tensor, sin:Tensor, # RoPE at their positions: (T, d_R) or
-                                           # (b | 1, 1, T, d_R)
+                   cos:Tensor, # RoPE's cos at their positions: (T | b, 1, T, d_R)
+                   sin:Tensor, # and its sin, the same shape
                   ) -> Tensor: # k^I: (b, 1, T, d_I), what a cache keeps
         "Each token's index key: projected, LayerNormed, partly turned."
         return self._turn(self.k_norm(self.wk(x))[:, None], cos, sin)

@@ -190,6 +190,23 @@ def _equal(a, b) -> bool:
     except Exception: return False
 
 
+WARM = ('matplotlib.pyplot', 'IPython.display', 'fastcore.test', 'transformers')  # most notebooks import these
+
+
+def _warm_imports() -> None:
+    """Import, once in this worker, what most notebooks import, and the whole package: each notebook's fork then
+    finds them loaded (1 to 3 s a notebook otherwise). A notebook still runs its own imports; nothing it sets is
+    shared, as each runs in a fork."""
+    import importlib, pkgutil, sys
+    if getattr(_warm_imports, 'done', False): return
+    for name in WARM:
+        try: importlib.import_module(name)
+        except ImportError: pass
+    package = importlib.import_module(get_config(path=ROOT).lib_name)
+    for m in pkgutil.iter_modules(package.__path__): importlib.import_module(f'{package.__name__}.{m.name}')
+    _warm_imports.done = True
+
+
 def _run_in_child(path: Path, nb, todo: set) -> tuple[list, str | None, list]:
     """Execute the cells of `nb` whose id is in `todo`, in a forked copy of this process; return their outputs, the
     failure or None, and each cell run's (number, seconds, first line). A notebook sets things for its whole process
@@ -197,6 +214,7 @@ def _run_in_child(path: Path, nb, todo: set) -> tuple[list, str | None, list]:
     that this xdist worker runs."""
     import multiprocessing, sys, time
     from execnb.shell import CaptureShell  # with matplotlib and IPython: imported once here, not in every child
+    _warm_imports()
     reader, writer = multiprocessing.get_context('fork').Pipe(duplex=False)
     def child():
         # GNU OpenMP hangs in a fork whose parent has run torch on several threads: keep the child on one

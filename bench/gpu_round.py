@@ -20,6 +20,10 @@ Parts (each written to the JSON as soon as it is measured, so a run cut short ke
   d_model 1,024: bench/mla_decode.py's layer) over 1,024, 4,096 and 32,768 cached tokens, absorbed (through the
   latents) against rebuilding every cached key and value.
 
+- `route`: transformers' `LlamaForCausalLM` (d_model 1,024, 4 blocks, 16 query and 4 key/value heads) at 4,096
+  tokens with `attn_implementation="selfattn_nbdev"` (the mask as sdpa's tensor, the package's findings beside it)
+  against `"sdpa"`, prefill, batch 1 unpadded and batch 2 with a quarter of padding; logits against eager.
+
 Times are medians of CUDA-synchronised runs after warm-ups. Printed and written, never asserted.
 """
 import argparse, datetime, json, shlex, statistics, sys, time, traceback
@@ -173,6 +177,40 @@ def mla_one(device, dtype, S, result, save):
     save()
 
 
+def route_part(device, dtype, T, result, save):
+    "transformers' Llama with attn_implementation='selfattn_nbdev' against 'sdpa': prefill, unpadded and padded."
+    import transformers
+    from selfattn_nbdev.hf import register
+    register(); transformers.logging.set_verbosity_error()
+    cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+                                   num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=T,
+                                   pad_token_id=0, bos_token_id=None, eos_token_id=None)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).to(device, dtype).eval()
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 32000, (2, T), generator=gen).to(device)
+    padded = torch.ones(2, T, dtype=torch.long, device=device); padded[1, :T // 2] = 0
+    rows = {}
+    for case, (x, mask) in {'batch 1, no padding': (ids[:1], None),
+                            'batch 2, 25 % left padding': (ids, padded)}.items():
+        r = rows[case] = {}
+        with torch.no_grad():
+            logits = {}
+            for name in ('sdpa', 'selfattn_nbdev', 'eager'):
+                model.set_attn_implementation(name)
+                run = lambda: model(x, attention_mask=mask).logits
+                logits[name] = run().float()
+                if name != 'eager': r[f'{name}_ms'] = timed(run, device, reps=10) * 1e3
+            real = (torch.ones_like(x, dtype=torch.bool) if mask is None else mask.bool())
+            big = logits['eager'][real].abs().max()
+            r['ours_over_sdpa'] = r['selfattn_nbdev_ms'] / r['sdpa_ms']
+            r['logits_vs_eager'] = ((logits['selfattn_nbdev'] - logits['eager'])[real].abs().max() / big).item()
+            r['sdpa_logits_vs_eager'] = ((logits['sdpa'] - logits['eager'])[real].abs().max() / big).item()
+        print(f'route {case}: {r}', flush=True)
+    result['route'] = dict(T=T, d_model=1024, layers=4, heads=16, kv_heads=4, rows=rows)
+    save()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     ap.add_argument('--small', action='store_true')
@@ -192,7 +230,8 @@ def main():
     save = lambda: out and out.write_text(json.dumps(result, indent=1) + '\n')
     runs = {'linear': lambda: linear_part(device, dtype, 4096 if cuda else 256, result, save),
             'sinks': lambda: sinks_part(device, dtype, 4096 if cuda else 128, result, save),
-            'mla': lambda: mla_part(device, dtype, (1024, 4096, 32768) if cuda else (128, 512), result, save)}
+            'mla': lambda: mla_part(device, dtype, (1024, 4096, 32768) if cuda else (128, 512), result, save),
+            'route': lambda: route_part(device, dtype, 4096 if cuda else 256, result, save)}
     run_parts(runs, a.part.split(','), result, save, out)
 
 

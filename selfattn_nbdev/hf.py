@@ -144,6 +144,10 @@ def _sdpa(queries:Tensor, keys:Tensor, values:Tensor, # as for _explicit
                                              dropout_p=dropout, enable_gqa=gqa)
     return context.masked_fill(dead, 0.0)
 
+def _gpu_takes_the_tensor(queries:Tensor, found:HFMask, scored:bool) -> bool:
+    "On a GPU a padded causal batch: SDPA with sdpa's own tensor beat the runs there."
+    return queries.is_cuda and found.known and found.window is None and not scored
+
 def _runs_of(mask:HFMask, queries:Tensor): # VarlenRuns; None: not a call a run
     "The runs of real tokens, found once per forward pass."
     key = ("runs", str(queries.device))
@@ -186,6 +190,8 @@ def attend(
     if plain and T == S and not scored:              # causal: no mask at all
         return F.scaled_dot_product_attention(queries, keys, values, dropout_p=dropout,
                                               is_causal=True, enable_gqa=gqa), None
+    if _gpu_takes_the_tensor(queries, found, scored):  # transformers made it already
+        return _sdpa(queries, keys, values, mask, dropout, gqa), None
     in_runs = (found.known and found.padding is not None and T == S and not
                (queries.is_cuda and (scored or found.window)))  # as the masks page
     pick = lambda runs_only: pick_kernel(

@@ -211,3 +211,13 @@ def test_packed_sequences_as_transformers_packs_them(model_type):
     scale = out['eager'].abs().max().item()
     torch.testing.assert_close(out['selfattn_nbdev'], out['eager'], rtol=0, atol=1e-5 * scale)
     torch.testing.assert_close(out['selfattn_nbdev'][:, 12:], alone, rtol=0, atol=1e-5 * scale)
+
+
+def test_a_gpu_hands_a_padded_causal_batch_to_sdpa_with_the_tensor(monkeypatch):
+    "The GPU's choice, run here: no runs, SDPA with the tensor transformers made, equal to eager."
+    monkeypatch.setattr(hf, '_gpu_takes_the_tensor', lambda q, found, scored:
+                        found.known and found.window is None and not scored)
+    sdpa, varlen = count_calls(monkeypatch, '_sdpa'), count_calls(monkeypatch, 'varlen_attend')
+    theirs, ours, everything = eager_and_ours('llama', 1100, 300)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5 * theirs.abs().max().item())
+    assert len(sdpa) == 2 and not varlen and torch.isfinite(everything).all()

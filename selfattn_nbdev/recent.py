@@ -365,6 +365,7 @@ def _attend_sunk(self:LlamaAttention, queries, keys, values, key_padding_mask=No
     if self._sinks_by_sdpa(queries, score_mod):  # a GPU: one more key, SDPA's kernels
         if allowed is None:
             allowed = self._allowed(T, S, key_padding_mask, document_ids, mask_mod, b)
+        if allowed is None: allowed = queries.new_ones(T, S, dtype=torch.bool)  # all
         return sinks_by_sdpa(queries, keys, values, self.sinks, allowed)
     group = self.num_heads // kv
     if cached and torch.is_grad_enabled():  # a cache writes its storage in place

@@ -42,6 +42,7 @@ def test_run_ranks_names_the_rank_that_failed_first():
         assert re.search(r'rank 0 (raised \w+Error: .*|was stopped by run_ranks) \(after it\)', message), message
 
 
+@pytest.mark.heavy
 def test_run_ranks_returns_every_rank_result():
     assert run_ranks(rank_and_sum, 3) == [(0, 3.0), (1, 3.0), (2, 3.0)]
 

@@ -84,6 +84,7 @@ def test_deepseek_v32_indexer_picks_the_keys():
     assert gap <= 1e-5 and same, (gap, same)
 
 
+@pytest.mark.heavy
 def test_torch_export_and_fullgraph_compile_of_a_route_model():
     "Inside export and compile the mask goes as a tensor alone: nothing is asked of it on the host."
     model = tiny('llama', 'selfattn_nbdev')

@@ -190,7 +190,8 @@ def _equal(a, b) -> bool:
     except Exception: return False
 
 
-WARM = ('matplotlib.pyplot', 'IPython.display', 'fastcore.test', 'transformers')  # most notebooks import these
+WARM = ('matplotlib.pyplot', 'IPython.display', 'fastcore.test', 'transformers',  # most notebooks import these
+        'transformers.models.llama.modeling_llama')  # and so transformers' models, generation and masks (1.4 s)
 
 
 def _warm_imports() -> None:

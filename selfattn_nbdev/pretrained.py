@@ -163,7 +163,8 @@ FAMILIES = {  # model_type: its model, the config's reader, prefix, weight map
 
 # families that later pages build register themselves as their module is imported;
 # from_hf imports the module when it meets the family
-LATER_FAMILIES = {"qwen3_5_text": "hybrid"}  # model_type: the module that registers it
+LATER_FAMILIES = {"qwen3_5_text": "hybrid",  # model_type: the module that registers it
+                  "gemma4_text": "hybrid"}
 
 def _family(config:dict) -> tuple: # build, its keyword arguments, prefix, weight map
     "The model class of a config's `model_type`, its sizes, and where its tensors go."

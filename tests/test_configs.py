@@ -121,6 +121,7 @@ def test_defaults_are_transformers_defaults():
                 want = theta['global' if key == 'rope_theta' else 'local'] if isinstance(theta, dict) else theta
             elif key == 'sliding_window_pattern': want = 6   # Gemma 3's __post_init__: kwargs.get(..., 6)
             elif key == 'full_attention_interval': want = 4  # Qwen3.5's __post_init__: kwargs.pop(..., 4)
+            elif key == 'global_head_dim': want = 512         # Gemma 4's __post_init__: kwargs.pop(..., 512)
             elif key == 'partial_rotary_factor':                # Qwen3.5 keeps it in rope_parameters
                 want = AutoConfig.for_model(kind).rope_parameters[key]
             else:

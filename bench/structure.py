@@ -1,0 +1,90 @@
+"""The package's structure, measured (issue "Add, never replace"): its lines, the methods and functions defined more
+than once (superseded versions), the @patch definitions that reach into another module's class, and one traced forward
+of a 1-layer Llama with mask_mod=sliding_window(4): how many calls into the package it makes, in how many modules, and
+how often it switches module. Prints a table; `--out FILE` writes it as JSON.
+
+    python bench/structure.py --out bench/structure.json
+"""
+import argparse, ast, collections, datetime, json, subprocess, sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / 'selfattn_nbdev'
+
+
+def package_lines() -> int:
+    "Lines of the generated package, without _modidx.py (nbdev's index)."
+    return sum(len(p.read_text().splitlines()) for p in PACKAGE.glob('*.py') if p.name != '_modidx.py')
+
+
+def cross_module_patches() -> tuple:
+    "(@patch or @replaces definitions, those on a class that another module defines)."
+    classes, patches = {}, []
+    for path in PACKAGE.glob('*.py'):
+        tree = ast.parse(path.read_text())
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef): classes.setdefault(node.name, path.stem)
+            if isinstance(node, ast.FunctionDef) and any(
+                    (isinstance(d, ast.Name) and d.id == 'patch') or
+                    (isinstance(d, ast.Call) and getattr(d.func, 'id', '') in ('replaces', 'patch'))
+                    for d in node.decorator_list):
+                first = node.args.args[0].annotation if node.args.args else None
+                owner = first.id if isinstance(first, ast.Name) else None
+                patches.append((path.stem, owner))
+    return len(patches), sum(1 for module, owner in patches if owner and classes.get(owner, module) != module)
+
+
+def superseded() -> int | None:
+    "The count printed by ../shared/tools/superseded.py, when it is there."
+    tool = ROOT.parent / 'shared' / 'tools' / 'superseded.py'
+    if not tool.exists(): return None
+    out = subprocess.run([sys.executable, str(tool)], cwd=ROOT, capture_output=True, text=True).stdout
+    last = [l for l in out.splitlines() if l.startswith('superseded versions:')]
+    return int(last[-1].split(':')[1]) if last else None
+
+
+def traced_forward() -> dict:
+    "Calls into the package during one forward of a 1-layer Llama with a sliding-window mask_mod."
+    import torch
+    from selfattn_nbdev.masks import sliding_window
+    from selfattn_nbdev.models import Llama
+    torch.manual_seed(0)
+    model = Llama(vocab_size=64, context_length=32, d_model=32, num_heads=4, num_layers=1).eval()
+    ids = torch.randint(0, 64, (1, 16))
+    mask_mod = sliding_window(4)
+    with torch.no_grad(): model(ids, mask_mod=mask_mod)  # warm: tables and block masks made once
+    calls = []
+
+    def profile(frame, event, arg):
+        if event == 'call' and frame.f_code.co_filename.startswith(str(PACKAGE)):
+            calls.append((Path(frame.f_code.co_filename).stem, frame.f_code.co_name))
+    sys.setprofile(profile)
+    try:
+        with torch.no_grad(): model(ids, mask_mod=mask_mod)
+    finally: sys.setprofile(None)
+    modules = [m for m, _ in calls]
+    switches = sum(1 for a, b in zip(modules, modules[1:]) if a != b)
+    return dict(calls=len(calls), modules=len(set(modules)), switches=switches,
+                by_module=dict(collections.Counter(modules)), sequence=[f'{m}.{f}' for m, f in calls])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument('--out', help='write the figures as JSON to this file')
+    args = parser.parse_args()
+    patches, cross = cross_module_patches()
+    trace = traced_forward()
+    result = dict(date=datetime.date.today().isoformat(), command='python bench/structure.py --out bench/structure.json',
+                  package_lines=package_lines(), superseded_versions=superseded(), patches=patches,
+                  patches_into_another_module=cross, forward_trace=trace)
+    rows = [('package lines (without _modidx.py)', result['package_lines']),
+            ('superseded versions', result['superseded_versions']),
+            ('@patch / @replaces definitions', patches), ('  into another module\'s class', cross),
+            ('1-layer Llama, mask_mod: package calls', trace['calls']),
+            ('  modules', trace['modules']), ('  module switches', trace['switches'])]
+    for name, value in rows: print(f'{name:42} {value}')
+    if args.out: Path(args.out).write_text(json.dumps(result, indent=1) + '\n')
+
+
+if __name__ == '__main__':
+    main()

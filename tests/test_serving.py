@@ -1,0 +1,105 @@
+"""Serving many at once (nbs/22_serving.ipynb): serve's tokens against generate's for each request alone on models
+with grouped keys, RoPE and a sliding window (a tiny random Mistral that transformers built, read by from_hf), with a
+pool that runs short (preemption) and prefix caching under pressure (remembered blocks reused); a PagedKVCache batch
+against each row alone; what serve refuses, by name. Nothing is downloaded."""
+import tempfile
+
+import pytest
+import torch
+
+from selfattn_nbdev.decoding import generate
+from selfattn_nbdev.generation import TinyGPT
+from selfattn_nbdev.serving import BlockPool, PagedKVCache, Sequence, prefix_hashes, serve
+
+transformers = pytest.importorskip('transformers')
+
+
+@pytest.fixture(scope='module')
+def mistral():
+    "GQA (4 query heads, 2 key/value), RoPE, a window of 8 (shorter than the prompts and a block)."
+    from transformers import MistralConfig, MistralForCausalLM
+    from selfattn_nbdev.pretrained import from_hf
+    torch.manual_seed(0)
+    hf = MistralForCausalLM(MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                          sliding_window=8, max_position_embeddings=256, initializer_range=0.2))
+    folder = tempfile.mkdtemp()
+    hf.save_pretrained(folder)
+    return from_hf(folder).eval()
+
+
+def requests(n=10, vocab=64, seed=0, prefix=0):
+    g = torch.Generator().manual_seed(seed)
+    shared = torch.randint(0, vocab, (prefix,), generator=g)
+    return [torch.cat([shared, torch.randint(0, vocab, (int(k),), generator=g)])
+            for k in torch.randint(1, 40, (n,), generator=g)]
+
+
+@pytest.mark.parametrize('num_blocks,prefix_caching,prefix', [(64, False, 0), (64, True, 0), (24, False, 0),
+                                                             (24, True, 20), (200, True, 20)])
+def test_every_request_writes_what_it_writes_alone(mistral, num_blocks, prefix_caching, prefix):
+    prompts = requests(prefix=prefix)
+    stats = {}
+    got = serve(mistral, prompts, 24, num_blocks=num_blocks, block_size=4, max_batch=4,
+                prefix_caching=prefix_caching, stats=stats)
+    for row, prompt in zip(got, prompts):
+        assert torch.equal(row, generate(mistral, prompt[None], 24)[0])
+    if num_blocks == 24: assert stats['preempted'] > 0          # the pool ran short
+    if num_blocks == 200 and prefix_caching:  # no preemption: the shared 20 tokens computed once
+        assert stats['prefill tokens'] == sum(map(len, prompts)) - 20 * (len(prompts) - 1)
+
+
+def test_a_paged_batch_gives_each_row_its_logits_alone(mistral):
+    pool = BlockPool(num_blocks=40, block_size=4)
+    caches = [PagedKVCache(pool, i) for i in range(len(mistral.blocks))]
+    rows = [Sequence(p, 1, i) for i, p in enumerate(requests(3))]
+    with torch.no_grad():
+        for seq in rows:
+            seq.blocks = [pool.allocate() for _ in range(len(seq.tokens) // 4 + 2)]
+            for c in caches: c.rows = [seq]
+            mistral(torch.tensor([seq.tokens]), caches); seq.length = len(seq.tokens)
+        for c in caches: c.rows = rows
+        nxt = torch.tensor([[5, 6], [7, 8], [9, 10]])                       # two new tokens each
+        step = mistral(nxt, caches)
+        for seq, new, logits in zip(rows, nxt, step):
+            whole = mistral(torch.tensor([seq.tokens + new.tolist()]))[0, -2:]
+            torch.testing.assert_close(logits, whole, rtol=0, atol=1e-5)
+    assert pool.held() == sum(len(s.blocks) for s in rows)
+
+
+def test_prefix_hashes_name_a_block_by_its_whole_prefix():
+    a, b = prefix_hashes([1, 2, 3, 4, 5, 6, 7], 2), prefix_hashes([9, 2, 3, 4], 2)
+    assert len(a) == 3 and len(b) == 2 and a[1] != b[1]     # same block, other prefix
+    assert prefix_hashes([1, 2, 3, 4], 2) == a[:2]
+
+
+def test_serve_refuses_by_name():
+    torch.manual_seed(0)
+    gpt = TinyGPT(20, 64, 16, 2, 1).eval()
+    ok = [torch.tensor([1, 2, 3])]
+    with pytest.raises(ValueError, match='num_blocks=2 .* cannot hold request 0'):
+        serve(gpt, [torch.arange(20)], 30, num_blocks=2, block_size=4)
+    with pytest.raises(ValueError, match='prompts must be a non-empty list'):
+        serve(gpt, [], 4, num_blocks=8)
+    with pytest.raises(ValueError, match=r'each prompt'):
+        serve(gpt, [torch.tensor([1, 99])], 4, num_blocks=8)
+    with pytest.raises(ValueError, match='max_new_tokens'):
+        serve(gpt, ok, 0, num_blocks=8)
+    with pytest.raises(ValueError, match='num_blocks'):
+        serve(gpt, ok, 4, num_blocks=0)
+    with pytest.raises(TypeError, match='protocol of Generation'):
+        serve(torch.nn.Linear(2, 2), ok, 4, num_blocks=8)
+
+
+def test_serve_refuses_models_without_keys_of_their_own():
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from selfattn_nbdev.pretrained import from_hf
+    cfg = AutoConfig.for_model("gemma4_text", vocab_size=64, hidden_size=32, intermediate_size=64,
+                               num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                               global_head_dim=16, sliding_window=8, num_kv_shared_layers=2,
+                               hidden_size_per_layer_input=8, vocab_size_per_layer_input=64,
+                               layer_types=["sliding_attention", "full_attention"] * 2)
+    folder = tempfile.mkdtemp()
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+    with pytest.raises(ValueError, match='block 2 of Gemma4 has Gemma4Attention'):
+        serve(from_hf(folder), [torch.tensor([1, 2])], 4, num_blocks=8)

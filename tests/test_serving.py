@@ -77,11 +77,13 @@ def test_serve_refuses_by_name():
     torch.manual_seed(0)
     gpt = TinyGPT(20, 64, 16, 2, 1).eval()
     ok = [torch.tensor([1, 2, 3])]
-    with pytest.raises(ValueError, match='num_blocks=2 .* cannot hold request 0'):
+    with pytest.raises(ValueError, match='need 50 slots; num_blocks=2 of 4 hold 8'):
         serve(gpt, [torch.arange(20)], 30, num_blocks=2, block_size=4)
+    with pytest.raises(ValueError, match='more than the model.s context_length=64'):
+        serve(gpt, [torch.arange(20)], 60, num_blocks=64, block_size=4)
     with pytest.raises(ValueError, match='prompts must be a non-empty list'):
         serve(gpt, [], 4, num_blocks=8)
-    with pytest.raises(ValueError, match=r'each prompt'):
+    with pytest.raises(ValueError, match=r'prompt'):
         serve(gpt, [torch.tensor([1, 99])], 4, num_blocks=8)
     with pytest.raises(ValueError, match='max_new_tokens'):
         serve(gpt, ok, 0, num_blocks=8)
@@ -103,3 +105,72 @@ def test_serve_refuses_models_without_keys_of_their_own():
     AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
     with pytest.raises(ValueError, match='block 2 of Gemma4 has Gemma4Attention'):
         serve(from_hf(folder), [torch.tensor([1, 2])], 4, num_blocks=8)
+
+
+def test_requests_arriving_between_steps_streamed_chunked_and_a_bad_one_refused_alone(mistral):
+    from selfattn_nbdev.serving import Engine
+    prompts = requests(8, seed=3)
+    engine = Engine(mistral, num_blocks=30, block_size=4, max_batch=3, prefill_chunk=5)
+    ids, new, arrivals = {}, {}, list(enumerate(prompts))
+    with pytest.raises(ValueError, match='prompt must hold at least one token'):
+        engine.add_request(torch.tensor([], dtype=torch.long), 4)
+    with pytest.raises(ValueError, match='max_new_tokens'):
+        engine.add_request(prompts[0], -1)
+    steps = 0
+    while arrivals or engine.has_work():
+        if arrivals and steps % 3 == 0:                     # one request every third step
+            i, p = arrivals.pop(0)
+            ids[engine.add_request(p, 16)] = i
+        for request, token, finished in engine.step(): new.setdefault(request, []).append(token)
+        steps += 1
+    for request, i in ids.items():
+        want = generate(mistral, prompts[i][None], 16)[0, len(prompts[i]):]
+        assert new[request] == want.tolist(), i
+
+
+@pytest.mark.filterwarnings('ignore:flex_attention called without torch.compile')
+def test_every_kernel_attends_over_paged_keys_as_over_contiguous_ones():
+    "The explicit path (its weights too), the fused path, and FlexAttention on the gathered keys and the mask."
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from selfattn_nbdev.generation import KVCache
+    from selfattn_nbdev.multihead import MultiHeadAttention
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(16, 16, 64, num_heads=4, num_kv_heads=2, rope=True).double().eval()
+    lengths, T = [5, 11, 7], 3
+    xs = [torch.randn(1, n + T, 16, dtype=torch.float64) for n in lengths]
+    pool = BlockPool(num_blocks=24, block_size=4)
+    cache = PagedKVCache(pool, 0)
+    rows = [Sequence(torch.zeros(n + T, dtype=torch.long), 1, i) for i, n in enumerate(lengths)]
+    pool_ids = iter(torch.randperm(24).tolist())                      # scattered blocks
+    with torch.no_grad():
+        for seq, x, n in zip(rows, xs, lengths):
+            seq.blocks = [next(pool_ids) for _ in range((n + T) // 4 + 1)]
+            cache.rows = [seq]; attn(x[:, :n], cache=cache); seq.length = n
+        cache.rows = rows
+        new = torch.cat([x[:, n:] for x, n in zip(xs, lengths)])       # (3, T, 16)
+        fused = attn(new, cache=cache)
+        explicit, weights = attn(new, cache=cache, return_attn_weights=True)  # rewrites the same
+        for i, (x, n) in enumerate(zip(xs, lengths)):
+            whole, whole_w = attn(x, return_attn_weights=True)
+            torch.testing.assert_close(fused[i], whole[0, n:], rtol=0, atol=1e-12)
+            torch.testing.assert_close(explicit[i], whole[0, n:], rtol=0, atol=1e-12)
+            torch.testing.assert_close(weights[i, :, :, :n + T], whole_w[0, :, n:], rtol=0, atol=1e-12)
+        # FlexAttention over the same gathered keys, the mask as a mask_mod
+        q = attn._project(new, cache.positions(T))[0]                   # (3, heads, T, hd)
+        keys, values, allowed = cache.update(*attn._project(new, cache.positions(T))[1:], attn)
+        mask = lambda b, h, t, s: allowed[b, 0, t, s]
+        block_mask = create_block_mask(mask, 3, None, T, keys.shape[2], device='cpu')
+        flex = flex_attention(q, keys, values, block_mask=block_mask, enable_gqa=True)
+        out = attn.out_proj(attn._merge_heads(flex))
+        torch.testing.assert_close(out, fused, rtol=0, atol=1e-12)
+
+
+def test_the_hybrid_and_latent_models_are_refused_by_name():
+    from selfattn_nbdev.hybrid import Qwen35
+    from selfattn_nbdev.serving import Engine
+    torch.manual_seed(0)
+    tiny = Qwen35(vocab_size=50, context_length=64, d_model=32, num_heads=4, num_layers=4, num_kv_heads=2,
+                  d_hidden=64, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+                  linear_key_head_dim=8, linear_value_head_dim=8)
+    with pytest.raises(ValueError, match='block 0 of Qwen35 has'):
+        Engine(tiny, num_blocks=8)

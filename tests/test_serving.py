@@ -174,3 +174,18 @@ def test_the_hybrid_and_latent_models_are_refused_by_name():
                   linear_key_head_dim=8, linear_value_head_dim=8)
     with pytest.raises(ValueError, match='block 0 of Qwen35 has'):
         Engine(tiny, num_blocks=8)
+
+
+def test_the_serving_benchmark_measures_what_it_says(mistral):
+    "bench/serving.py's runs on a small workload: every request's tokens, the KV share, the time order of tokens."
+    from bench import serving as bench
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, 64, (int(n),), generator=g) for n in (5, 30, 12, 9)]
+    w = dict(prompts=prompts, max_new=[6, 3, 9, 4], arrivals=[0.0, 0.0, 0.01, 0.02], num_blocks=64)
+    alone = [generate(mistral, p[None], m, stop_ids=[])[0, len(p):].tolist() for p, m in zip(prompts, w['max_new'])]
+    for run in (bench.run_engine, bench.run_padded):
+        r = run(mistral, dict(w), alone)
+        assert r['tokens_equal'] and r['useful_tokens'] == sum(w['max_new'])
+        assert 0 < r['kv_used_over_reserved'] <= 1 and r['ttft_p50_ms'] <= r['ttft_p95_ms']
+    wrong = [a[:-1] + [a[-1] + 1] for a in alone]                  # a test that can fail
+    assert not bench.run_engine(mistral, dict(w), wrong)['tokens_equal']

@@ -130,7 +130,7 @@ def test_requests_arriving_between_steps_streamed_chunked_and_a_bad_one_refused_
 
 @pytest.mark.filterwarnings('ignore:flex_attention called without torch.compile')
 def test_every_kernel_attends_over_paged_keys_as_over_contiguous_ones():
-    "The explicit path (its weights too), the fused path, and FlexAttention on the gathered keys and the mask."
+    "The explicit path (its weights too), the fused path, FlexAttention and the tiled kernel on the gathered keys."
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     from selfattn_nbdev.generation import KVCache
     from selfattn_nbdev.multihead import MultiHeadAttention
@@ -163,6 +163,14 @@ def test_every_kernel_attends_over_paged_keys_as_over_contiguous_ones():
         flex = flex_attention(q, keys, values, block_mask=block_mask, enable_gqa=True)
         out = attn.out_proj(attn._merge_heads(flex))
         torch.testing.assert_close(out, fused, rtol=0, atol=1e-12)
+        # the tiled kernel, tiles of 4 over the gathered keys, its tile mask from the same predicate
+        from selfattn_nbdev.masks import block_mask as tile_mask
+        from selfattn_nbdev.tiled import tiled_attention
+        tiles = tile_mask(mask, T, keys.shape[2], block_size=4, batch=3, q_offset=0)
+        rep = q.shape[1] // keys.shape[1]                              # query heads per key head
+        tiled = tiled_attention(q, keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1),
+                                block_size=4, block_mask=tiles)
+        torch.testing.assert_close(attn.out_proj(attn._merge_heads(tiled)), fused, rtol=0, atol=1e-12)
 
 
 def test_the_hybrid_and_latent_models_are_refused_by_name():

@@ -99,6 +99,7 @@ def test_float64_logits_and_gradients_are_transformers(exact_transformers, share
     assert (k[0] - k[1]).abs().max() < 1e-10 * k[1].abs().max()
 
 
+@pytest.mark.heavy  # 15 generations: make test and CI run it, make test-quick skips it
 @pytest.mark.parametrize('shared,per_layer,final_cap', CONFIGS[:5])
 def test_float32_logits_and_greedy_tokens_equal_transformers(shared, per_layer, final_cap):
     "As transformers builds it, in float32: logits within 1e-5 of the largest, its greedy tokens with every cache."

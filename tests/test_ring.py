@@ -126,6 +126,7 @@ def test_context_parallel_refuses_scores_the_ring_does_not_compute():
     with pytest.raises(ValueError, match='world_size'): sequence_chunks(0, 0)
 
 
+@pytest.mark.heavy  # starts ranks
 def test_bench_counts_what_the_page_says():
     """bench/distributed.py's ring, run on 2 and 4 ranks at small sizes, sends the page's 3R - 2 blocks of keys and
     values per rank, and four times as many with the 2 key/value heads repeated to the 8 query heads."""

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['BlockPool', 'Sequence', 'PagedKVCache', 'Engine', 'serve', 'prefix_hashes']
 
-# %% ../nbs/22_serving.ipynb #5182e157
+# %% ../nbs/22_serving.ipynb #4f91f304
 import collections, hashlib, math
 
 import torch
@@ -15,9 +15,9 @@ from .core import check_size, check_token_ids
 from .multihead import MultiHeadAttention
 from .decoding import _default_stops
 
-# %% ../nbs/22_serving.ipynb #4fa86da5
+# %% ../nbs/22_serving.ipynb #d7189acd
 class BlockPool:
-    "Fixed-size blocks of keys and values for every layer, lent to sequences."
+    "Fixed-size blocks of keys and values for every layer, handed out to sequences."
     def __init__(self,
                  num_blocks:int, # blocks in the pool: its memory, fixed
                  block_size:int=16, # tokens a block holds
@@ -57,7 +57,7 @@ class BlockPool:
             self.storage[i] = (like.new_zeros(shape), like.new_zeros(shape))
         return self.storage[i]
 
-# %% ../nbs/22_serving.ipynb #7feb42ee
+# %% ../nbs/22_serving.ipynb #50726cd0
 class Sequence:
     "One request: its tokens, the blocks that hold its keys, how many are written."
     def __init__(self,
@@ -74,7 +74,7 @@ class Sequence:
         "Its blocks, padded to `width` for a batch (the padding is masked)."
         return self.blocks + self.blocks[-1:] * (width - len(self.blocks))
 
-# %% ../nbs/22_serving.ipynb #c92d6566
+# %% ../nbs/22_serving.ipynb #57b755ab
 class PagedKVCache:
     "One layer's keys and values in a BlockPool; each row of the batch a Sequence."
     def __init__(self,
@@ -119,7 +119,7 @@ class PagedKVCache:
         if module.window is not None: allowed &= pos[..., None] - column < module.window
         return keys, values, allowed[:, None]                             # (b, 1, T, S)
 
-# %% ../nbs/22_serving.ipynb #59025aa7
+# %% ../nbs/22_serving.ipynb #dc21c7db
 class Engine:
     "Requests in, tokens out: continuous batching of greedy decoding on a paged cache."
     def __init__(self,
@@ -203,7 +203,7 @@ class Engine:
         else: self.running.append(seq)
         return seq.index, next_id, done
 
-# %% ../nbs/22_serving.ipynb #8eee6582
+# %% ../nbs/22_serving.ipynb #c8080d8b
 def serve(
     model:nn.Module, # the protocol of Generation: model(token_ids, caches), .blocks
     prompts:list, # 1-D tensors of token ids, any lengths
@@ -224,7 +224,7 @@ def serve(
     if stats is not None: stats.update(engine.stats)
     return [torch.cat([p, p.new_tensor(new[i])]) for i, p in zip(ids, prompts)]
 
-# %% ../nbs/22_serving.ipynb #3d34dbd9
+# %% ../nbs/22_serving.ipynb #d4ddeaeb
 def _grow(seq:Sequence, pool:BlockPool, num_new:int) -> bool: # False: pool short
     "Blocks for `num_new` more keys of `seq`; none taken if the pool is short."
     need = math.ceil((seq.length + num_new) / pool.block_size) - len(seq.blocks)

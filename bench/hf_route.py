@@ -234,7 +234,8 @@ def main():
         result['families'][kind] = r = prove(kind)
         print(f"{kind:<12} logits {r['logits']:.1e}  gradients {r['gradients']:.1e}  "
               f"same {r['new_tokens']} tokens: {r['same_tokens']}", flush=True)
-    for kind in ('gpt2', 'llama', 'mistral', 'qwen2', 'qwen3', 'gemma2', 'gemma3_text', 'deepseek_v3'):
+    for kind in ('gpt2', 'llama', 'mistral', 'qwen2', 'qwen3', 'gemma2', 'gemma3_text', 'gemma4_text',
+                 'deepseek_v3'):
         result['native'][kind] = native(kind)
     for kind in REFUSED:
         result['refused'][kind] = refusal(kind)

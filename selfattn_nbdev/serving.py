@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['BlockPool', 'Sequence', 'PagedKVCache', 'Engine', 'serve', 'prefix_hashes']
 
-# %% ../nbs/22_serving.ipynb #4f91f304
+# %% ../nbs/22_serving.ipynb #67305041
 import collections, hashlib, math
 
 import torch
@@ -15,7 +15,7 @@ from .core import check_size, check_token_ids
 from .multihead import MultiHeadAttention
 from .decoding import _default_stops
 
-# %% ../nbs/22_serving.ipynb #d7189acd
+# %% ../nbs/22_serving.ipynb #5082565b
 class BlockPool:
     "Fixed-size blocks of keys and values for every layer, handed out to sequences."
     def __init__(self,
@@ -28,13 +28,15 @@ class BlockPool:
         self.refs = [0] * num_blocks   # how many sequences hold each block
         self.free = collections.deque(range(num_blocks))  # held by none
         self.cached, self.hash_of = {}, {}  # prefix hash <-> block (prefix caching)
+        self.content = {}  # block -> (the block before, its tokens): checked on a hit
 
     def allocate(self) -> int|None: # a block id; None when every block is held
         "A free block; one that keeps a cached prefix goes last."
         while self.free:
             block = self.free.popleft()
             if self.refs[block]: continue       # taken back by `share` meanwhile
-            if block in self.hash_of: del self.cached[self.hash_of.pop(block)]
+            if block in self.hash_of:   # its prefix is forgotten
+                del self.cached[self.hash_of.pop(block)], self.content[block]
             self.refs[block] = 1
             return block
         return None
@@ -57,7 +59,7 @@ class BlockPool:
             self.storage[i] = (like.new_zeros(shape), like.new_zeros(shape))
         return self.storage[i]
 
-# %% ../nbs/22_serving.ipynb #50726cd0
+# %% ../nbs/22_serving.ipynb #a8d9a521
 class Sequence:
     "One request: its tokens, the blocks that hold its keys, how many are written."
     def __init__(self,
@@ -74,7 +76,7 @@ class Sequence:
         "Its blocks, padded to `width` for a batch (the padding is masked)."
         return self.blocks + self.blocks[-1:] * (width - len(self.blocks))
 
-# %% ../nbs/22_serving.ipynb #57b755ab
+# %% ../nbs/22_serving.ipynb #b469e0cc
 class PagedKVCache:
     "One layer's keys and values in a BlockPool; each row of the batch a Sequence."
     def __init__(self,
@@ -119,7 +121,7 @@ class PagedKVCache:
         if module.window is not None: allowed &= pos[..., None] - column < module.window
         return keys, values, allowed[:, None]                             # (b, 1, T, S)
 
-# %% ../nbs/22_serving.ipynb #dc21c7db
+# %% ../nbs/22_serving.ipynb #dfefd81e
 class Engine:
     "Requests in, tokens out: continuous batching of greedy decoding on a paged cache."
     def __init__(self,
@@ -203,7 +205,7 @@ class Engine:
         else: self.running.append(seq)
         return seq.index, next_id, done
 
-# %% ../nbs/22_serving.ipynb #c8080d8b
+# %% ../nbs/22_serving.ipynb #1b444681
 def serve(
     model:nn.Module, # the protocol of Generation: model(token_ids, caches), .blocks
     prompts:list, # 1-D tensors of token ids, any lengths
@@ -224,7 +226,7 @@ def serve(
     if stats is not None: stats.update(engine.stats)
     return [torch.cat([p, p.new_tensor(new[i])]) for i, p in zip(ids, prompts)]
 
-# %% ../nbs/22_serving.ipynb #d4ddeaeb
+# %% ../nbs/22_serving.ipynb #2b816e3f
 def _grow(seq:Sequence, pool:BlockPool, num_new:int) -> bool: # False: pool short
     "Blocks for `num_new` more keys of `seq`; none taken if the pool is short."
     need = math.ceil((seq.length + num_new) / pool.block_size) - len(seq.blocks)
@@ -237,9 +239,11 @@ def _admit(seq:Sequence, pool:BlockPool, prefix_caching:bool) -> bool:
     "Its prompt's cached blocks, shared; blocks for the rest; False if none left."
     seq.blocks, seq.length = [], 0
     if prefix_caching:  # full blocks before the last token (its logits are needed)
-        for h in prefix_hashes(seq.tokens[:-1], pool.block_size):
-            block = pool.cached.get(h)
-            if block is None: break
+        size = pool.block_size
+        for i, h in enumerate(prefix_hashes(seq.tokens[:-1], size)):
+            block, before = pool.cached.get(h), seq.blocks[-1] if seq.blocks else None
+            if pool.content.get(block) != (before, seq.tokens[i * size:(i + 1) * size]):
+                break   # no block, or a hash collision: the tokens decide
             pool.refs[block] += 1; seq.blocks.append(block)
         seq.length = len(seq.blocks) * pool.block_size
     if _grow(seq, pool, len(seq.tokens) - seq.length): return True
@@ -248,9 +252,13 @@ def _admit(seq:Sequence, pool:BlockPool, prefix_caching:bool) -> bool:
 
 def _remember(seq:Sequence, pool:BlockPool) -> None:
     "The full blocks it has written are there for the requests that follow."
-    for h, block in zip(prefix_hashes(seq.tokens[:seq.length], pool.block_size),
-                        seq.blocks):
-        if h not in pool.cached: pool.cached[h], pool.hash_of[block] = block, h
+    size = pool.block_size
+    for i, h in enumerate(prefix_hashes(seq.tokens[:seq.length], size)):
+        block = seq.blocks[i]
+        if h in pool.cached or block in pool.hash_of: continue
+        pool.cached[h], pool.hash_of[block] = block, h
+        pool.content[block] = (seq.blocks[i - 1] if i else None,
+                               seq.tokens[i * size:(i + 1) * size])
 
 def _grown_or_preempted(engine) -> list: # the running that go on this step
     "A block for each running request's next key; the newest wait if the pool is short."

@@ -197,3 +197,16 @@ def test_the_serving_benchmark_measures_what_it_says(mistral):
         assert 0 < r['kv_used_over_reserved'] <= 1 and r['ttft_p50_ms'] <= r['ttft_p95_ms']
     wrong = [a[:-1] + [a[-1] + 1] for a in alone]                  # a test that can fail
     assert not bench.run_engine(mistral, dict(w), wrong)['tokens_equal']
+
+
+def test_a_hash_collision_never_shares_a_block(mistral, monkeypatch):
+    "Every prefix hashed alike: the tokens decide, so no request reads another's keys."
+    from selfattn_nbdev import serving
+    monkeypatch.setattr(serving, 'prefix_hashes', lambda tokens, size: ['same'] * (len(tokens) // size))
+    prompts = requests(6, seed=5, prefix=8) + requests(4, seed=6)
+    stats = {}
+    got = serve(mistral, prompts, 12, num_blocks=200, block_size=4, max_batch=3, stats=stats)
+    for row, prompt in zip(got, prompts):
+        assert torch.equal(row, generate(mistral, prompt[None], 12)[0])
+    # one name for every block: only a first block whose tokens match is shared (the 8 shared tokens' first 4)
+    assert stats['prefill tokens'] == sum(map(len, prompts)) - 4 * 5

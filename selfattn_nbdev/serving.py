@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['BlockPool', 'Sequence', 'PagedKVCache', 'Engine', 'serve', 'prefix_hashes']
 
-# %% ../nbs/22_serving.ipynb #67305041
+# %% ../nbs/22_serving.ipynb #9f5770dd
 import collections, hashlib, math
 
 import torch
@@ -15,7 +15,7 @@ from .core import check_size, check_token_ids
 from .multihead import MultiHeadAttention
 from .decoding import _default_stops
 
-# %% ../nbs/22_serving.ipynb #5082565b
+# %% ../nbs/22_serving.ipynb #68503ca0
 class BlockPool:
     "Fixed-size blocks of keys and values for every layer, handed out to sequences."
     def __init__(self,
@@ -59,7 +59,7 @@ class BlockPool:
             self.storage[i] = (like.new_zeros(shape), like.new_zeros(shape))
         return self.storage[i]
 
-# %% ../nbs/22_serving.ipynb #a8d9a521
+# %% ../nbs/22_serving.ipynb #397087e9
 class Sequence:
     "One request: its tokens, the blocks that hold its keys, how many are written."
     def __init__(self,
@@ -76,7 +76,7 @@ class Sequence:
         "Its blocks, padded to `width` for a batch (the padding is masked)."
         return self.blocks + self.blocks[-1:] * (width - len(self.blocks))
 
-# %% ../nbs/22_serving.ipynb #b469e0cc
+# %% ../nbs/22_serving.ipynb #bce7b556
 class PagedKVCache:
     "One layer's keys and values in a BlockPool; each row of the batch a Sequence."
     def __init__(self,
@@ -121,7 +121,7 @@ class PagedKVCache:
         if module.window is not None: allowed &= pos[..., None] - column < module.window
         return keys, values, allowed[:, None]                             # (b, 1, T, S)
 
-# %% ../nbs/22_serving.ipynb #dfefd81e
+# %% ../nbs/22_serving.ipynb #e809af69
 class Engine:
     "Requests in, tokens out: continuous batching of greedy decoding on a paged cache."
     def __init__(self,
@@ -205,7 +205,7 @@ class Engine:
         else: self.running.append(seq)
         return seq.index, next_id, done
 
-# %% ../nbs/22_serving.ipynb #1b444681
+# %% ../nbs/22_serving.ipynb #bf586760
 def serve(
     model:nn.Module, # the protocol of Generation: model(token_ids, caches), .blocks
     prompts:list, # 1-D tensors of token ids, any lengths
@@ -226,7 +226,7 @@ def serve(
     if stats is not None: stats.update(engine.stats)
     return [torch.cat([p, p.new_tensor(new[i])]) for i, p in zip(ids, prompts)]
 
-# %% ../nbs/22_serving.ipynb #2b816e3f
+# %% ../nbs/22_serving.ipynb #d7753336
 def _grow(seq:Sequence, pool:BlockPool, num_new:int) -> bool: # False: pool short
     "Blocks for `num_new` more keys of `seq`; none taken if the pool is short."
     need = math.ceil((seq.length + num_new) / pool.block_size) - len(seq.blocks)

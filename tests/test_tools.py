@@ -1,5 +1,6 @@
 """The project's own tooling: the notebook plugin (what fails a notebook, the stale-output comparison) and the README renderer."""
 import json, re
+from pathlib import Path
 
 import pytest
 
@@ -163,3 +164,25 @@ def test_a_notebook_that_puts_back_what_it_changes_passes(tmp_path):
                              'from selfattn_nbdev.multihead import MultiHeadAttention\n'
                              'old = MultiHeadAttention.extra_repr\nMultiHeadAttention.extra_repr = lambda self: "x"\n'
                              'MultiHeadAttention.extra_repr = old'))
+
+
+def test_the_quick_loop_runs_every_value_of_a_grid_once(pytester):
+    "make test-quick runs a large grid on a covering subset: every value of every parameter, fewer cases."
+    pytester.makeconftest("pytest_plugins = ['conftest_under_test']\n"
+                          "def pytest_addoption(parser): parser.addoption('--quick', action='store_true')\n")
+    code = (Path(__file__).resolve().parents[1]/'conftest.py').read_text().replace('pytest_plugins', '_plugins')
+    (pytester.path/'conftest_under_test.py').write_text(code)
+    pytester.makepyfile(test_grid="""
+import pytest
+@pytest.mark.parametrize('a', range(5))
+@pytest.mark.parametrize('b', ['x', 'y', 'z'])
+def test_big(a, b): print('RAN', a, b)
+@pytest.mark.parametrize('c', range(3))
+def test_small(c): pass
+""")
+    full, quick = pytester.runpytest('-q', '-s'), pytester.runpytest('-q', '-s', '--quick')
+    full.assert_outcomes(passed=18)
+    ran = set(re.findall(r'RAN (\d) (\w)', quick.stdout.str()))
+    assert {a for a, _ in ran} == set('01234') and {b for _, b in ran} == set('xyz')  # every value once
+    assert len(ran) == 7                     # (0..4, x), then (0, y) and (0, z): 7 of 15 cases
+    quick.assert_outcomes(passed=10, deselected=8)                 # and the small grid whole

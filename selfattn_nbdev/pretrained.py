@@ -164,7 +164,7 @@ FAMILIES = {  # model_type: its model, the config's reader, prefix, weight map
 # families that later pages build register themselves as their module is imported;
 # from_hf imports the module when it meets the family
 LATER_FAMILIES = {"qwen3_5_text": "hybrid",  # model_type: the module that registers it
-                  "gemma4_text": "hybrid"}
+                  "gemma4_text": "hybrid", "smollm3": "smollm3"}
 
 def _family(config:dict) -> tuple: # build, its keyword arguments, prefix, weight map
     "The model class of a config's `model_type`, its sizes, and where its tensors go."

@@ -4,10 +4,10 @@
 
 # %% auto #0
 __all__ = ['EMPTY', 'PARTIAL', 'FULL', 'FLEX_MODES', 'FLEX_MIN_TOKENS', 'FLEX_SHORTEST', 'FLEX_BLOCK_MASKS', 'RUNS_MIN_TOKENS',
-           'RUNS_MAX', 'RUN_WORTH', 'BLOCK_MIN_PAIRS', 'KERNELS', 'FLEX_RECOMPILE_LIMIT', 'causal', 'sliding_window',
-           'key_padding', 'documents', 'document_positions', 'and_masks', 'or_masks', 'dense_mask', 'TileMask',
-           'block_mask', 'flex_mode', 'attention_kernel', 'pick_kernel', 'flex_attend', 'VarlenRuns', 'varlen_runs',
-           'varlen_attend', 'Unpadded', 'unpad']
+           'RUNS_MAX', 'RUN_WORTH', 'BLOCK_MIN_PAIRS', 'KERNELS', 'FLEX_RECOMPILE_LIMIT', 'UNFUSED_KERNELS', 'causal',
+           'sliding_window', 'key_padding', 'documents', 'document_positions', 'and_masks', 'or_masks', 'dense_mask',
+           'TileMask', 'block_mask', 'flex_mode', 'attention_kernel', 'pick_kernel', 'flex_attend', 'VarlenRuns',
+           'varlen_runs', 'varlen_attend', 'Unpadded', 'unpad']
 
 # %% ../nbs/10_masks.ipynb #m19c0002
 import collections
@@ -702,12 +702,19 @@ def _attend_flex(self:MultiHeadAttention, queries, keys, values, key_padding_mas
                        reads=() if plain else (key_padding_mask, document_ids),
                        heads=None if mask_mod is None else self.num_heads)
 
+# kernels of the unfused path by name, (module, q, k, v, key_padding_mask,
+# document_ids, mask_mod, score_mod) -> context; a later page adds 'block'
+UNFUSED_KERNELS = {}
+
 @patch
 def _attend_unfused(self:MultiHeadAttention, queries, keys, values, # (b, h|kv, T, hd)
                     key_padding_mask, document_ids, mask_mod, score_mod, # the call's
                     kernel:str, # 'block' or 'explicit'
                    ) -> Tensor: # (b, heads, T, head_dim)
-    "The explicit path, for what no fused kernel takes; a large call says so once."
+    "`UNFUSED_KERNELS[kernel]`, else the explicit path; a large call says so once."
+    if kernel in UNFUSED_KERNELS:
+        return UNFUSED_KERNELS[kernel](self, queries, keys, values, key_padding_mask,
+                                       document_ids, mask_mod, score_mod)
     (b, _, T, _), S = queries.shape, keys.shape[2]
     if T * S >= BLOCK_MIN_PAIRS and not _forced_kernel():
         _say_once(('explicit', 'dropout'), f"attention took the 'explicit' path: a "

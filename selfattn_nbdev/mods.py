@@ -8,26 +8,16 @@ __all__ = []
 # %% ../nbs/21_mods.ipynb #24adcf33
 from torch import Tensor
 
-from .core import patch
-from .masks import _refuse_kernel, block_mask
+from .masks import UNFUSED_KERNELS, _refuse_kernel, block_mask
 from .multihead import MultiHeadAttention
 from .modern import repeat_kv
 from .tiled import tiled_attention
 
 # %% ../nbs/21_mods.ipynb #d1f2d939
-# this page adds the 'block' kernel to the module's unfused path; the path as the
-# masks page left it stays, as _attend_explicitly, for every other kernel
-_attend_explicitly = MultiHeadAttention._attend_unfused  # Masks' version: explicit
-
-@patch
-def _attend_unfused(self:MultiHeadAttention, queries, keys, values, # (b, h|kv, T, hd)
-                    key_padding_mask, document_ids, mask_mod, score_mod, # the call's
-                    kernel:str, # 'block' or 'explicit'
-                   ) -> Tensor: # (b, heads, T, head_dim)
+def _attend_block(self:MultiHeadAttention, queries, keys, values, # (b, h|kv, T, hd)
+                  key_padding_mask, document_ids, mask_mod, score_mod, # the call's
+                 ) -> Tensor: # (b, heads, T, head_dim)
     "'block': tiled_attention with the module's predicate as its block mask."
-    if kernel != 'block':
-        return _attend_explicitly(self, queries, keys, values, key_padding_mask,
-                                  document_ids, mask_mod, score_mod, kernel)
     if self.training and self.dropout.p:
         _refuse_kernel('block', "the tiled kernel drops no weights")
     (b, _, T, _), S = queries.shape, keys.shape[2]
@@ -41,3 +31,5 @@ def _attend_unfused(self:MultiHeadAttention, queries, keys, values, # (b, h|kv, 
         predicate, T, S, 64, b if per_row else 1, heads, device=queries.device)
     return tiled_attention(queries, keys, values, block_mask=tiles,
                            score_mod=self._score_mod(score_mod))
+
+UNFUSED_KERNELS['block'] = _attend_block  # the masks page's unfused path now has it

@@ -210,3 +210,40 @@ def test_a_hash_collision_never_shares_a_block(mistral, monkeypatch):
         assert torch.equal(row, generate(mistral, prompt[None], 12)[0])
     # one name for every block: only a first block whose tokens match is shared (the 8 shared tokens' first 4)
     assert stats['prefill tokens'] == sum(map(len, prompts)) - 4 * 5
+
+
+SAMPLINGS = [dict(temperature=1.0), dict(temperature=0.9, top_k=8), dict(temperature=1.2, top_p=0.8),
+             dict(temperature=1.0, min_p=0.1), dict(temperature=0.8, repetition_penalty=1.5), dict(repetition_penalty=1.5)]
+
+
+@pytest.mark.parametrize('num_blocks', [200, 14])
+def test_sampled_requests_draw_what_they_draw_alone(mistral, num_blocks):
+    "Each request's own options and generator: the same draws in a changing batch, after preemption, and alone."
+    from selfattn_nbdev.serving import Engine
+    prompts = requests(len(SAMPLINGS), seed=5)
+    engine, new = Engine(mistral, num_blocks=num_blocks, block_size=4, max_batch=4, prefill_chunk=7), {}
+    seeded = lambda i: torch.Generator().manual_seed(100 + i)
+    for i, (p, s) in enumerate(zip(prompts, SAMPLINGS)):
+        new[engine.add_request(p, 24, [], **s, generator=seeded(i))] = []
+    for request, token, _ in engine.stream(): new[request].append(token)
+    if num_blocks == 14: assert engine.stats["preempted"] > 0
+    differ = 0
+    for i, (p, s) in enumerate(zip(prompts, SAMPLINGS)):
+        want = generate(mistral, p[None], 24, stop_ids=[], **s, generator=seeded(i))[0, len(p):].tolist()
+        assert new[i] == want, (i, s)
+        differ += want != generate(mistral, p[None], 24, stop_ids=[])[0, len(p):].tolist()
+    assert differ >= 4                                             # sampled, not greedy
+
+
+def test_bad_sampling_options_are_refused_alone(mistral):
+    from selfattn_nbdev.serving import Engine
+    engine, p = Engine(mistral, num_blocks=40, block_size=4), requests(2, seed=6)
+    for bad, says in [(dict(temperature=-1.0), 'temperature'), (dict(top_p=1.5), 'top_p'), (dict(top_k=0), 'top_k'),
+                      (dict(min_p=2.0), 'min_p'), (dict(repetition_penalty=0.0), 'repetition'),
+                      (dict(generator=3), 'generator must be a torch.Generator'),
+                      (dict(beams=4), 'add_request takes no beams; its sampling options are temperature')]:
+        with pytest.raises((ValueError, TypeError), match=says): engine.add_request(p[0], 8, **bad)
+    assert not engine.has_work()                                   # nothing was queued
+    engine.add_request(p[1], 8)
+    tokens = [t for _, t, _ in engine.stream()]
+    assert tokens == generate(mistral, p[1][None], 8)[0, len(p[1]):].tolist()

@@ -22,6 +22,7 @@ requirements = cfg.get('requirements', '').split()
 dev_requirements = cfg.get('dev_requirements', '').split()
 hf_requirements = cfg.get('hf_requirements', '').split()
 pages_requirements = cfg.get('pages_requirements', '').split()
+llamacpp_requirements = cfg.get('llamacpp_requirements', '').split()
 lib_path = cfg['lib_path']
 
 # README's pictures are stored beside it (index_files/); PyPI needs absolute addresses for them.
@@ -49,7 +50,8 @@ setuptools.setup(
     packages=setuptools.find_packages(include=[lib_path, f'{lib_path}.*']),
     include_package_data=True,
     install_requires=requirements,
-    extras_require={'dev': dev_requirements, 'hf': hf_requirements, 'pages': pages_requirements},
+    extras_require={'dev': dev_requirements, 'hf': hf_requirements, 'pages': pages_requirements,
+                    'llamacpp': llamacpp_requirements},
     python_requires=f'>={min_python}',
     zip_safe=False,
     entry_points={'console_scripts': [], 'nbdev': [f"{cfg['lib_path']}={cfg['lib_path']}._modidx:d"]},

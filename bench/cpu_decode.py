@@ -1,0 +1,317 @@
+"""Benchmark: decoding on a CPU one token at a time, against the memory limit, the package beside transformers and
+llama.cpp. The measuring step of "Decoding on a CPU at the memory limit": where a decode step's time goes today.
+
+    python bench/cpu_decode.py [--llamacpp-python PATH] [--out bench/cpu_decode.json]    # about 8 minutes
+
+float32, greedy, random weights of two shapes (SHAPES: GPT-2 small, and a 200 M Llama shape with 16/4 heads), built
+by transformers and read by the package's `from_hf`, so that both decode the same weights and must write the same
+tokens (`tokens_equal`, recorded: random weights can tie). A token's rate is of the decode steps only (the prompt's step left out), as
+llama.cpp's is. Recorded:
+
+- `bandwidth`: the read rate of one and two threads over 1 GiB (torch's sum, numpy's sum), and the rate at which
+  torch's matrix-vector product reads each shape's weights (`gemv`), row-major as the modules hold them and
+  column-major; the limit of a shape is the best read rate over the bytes a token reads (`bytes_a_token`: every
+  weight but the input embeddings, of which a token reads one row; a tied table is read whole as the head);
+- `peers`: 1 and 2 threads, a 32-token prompt and 64 new tokens at batch 1, rounds interleaving the package's
+  `generate` (growing caches) and `generate(static=True)`, transformers' `generate` (dynamic and static cache) and
+  llama.cpp (skipped without `--llamacpp-python`, a Python with llama-cpp-python and gguf: see
+  bench/llamacpp_child.py); medians of the rounds;
+- `costs`: the package's `generate` at 1 thread at contexts of 32, 512 and the longest the shape takes less the new
+  tokens (1,984 for the Llama shape, 960 for GPT-2's 1,024) at batch 1, and at batches of 1, 4 and 16 at 32;
+- `profile`: one decode step of each shape at 1 thread under torch's profiler, its time by kind of work, and the
+  time outside torch's operators (Python and dispatch);
+- `headroom`: a bare decode step written against the same weights (no checks, no masks, fused projections: what
+  gpt-fast writes), with the weights row-major and column-major, to show what the step could reach;
+- `large`: a 1 B Llama shape (Llama 3.2 1B's sizes, 4.9 GB in float32) at 1 and 2 threads, 16 new tokens.
+Printed and written; nothing is asserted.
+"""
+import argparse, collections, datetime, json, os, platform, shlex, statistics, subprocess, sys, tempfile, time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from selfattn_nbdev.decoding import generate  # noqa: E402
+from selfattn_nbdev.pretrained import from_hf  # noqa: E402
+
+SHAPES = {'gpt2': dict(model_type='gpt2', vocab_size=50257, n_embd=768, n_layer=12, n_head=12, n_positions=1024),
+          'llama': dict(model_type='llama', vocab_size=32000, hidden_size=1024, num_hidden_layers=12,
+                        num_attention_heads=16, num_key_value_heads=4, intermediate_size=2816,
+                        max_position_embeddings=2048)}
+LARGE = dict(model_type='llama', vocab_size=128256, hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+             num_key_value_heads=8, intermediate_size=8192, max_position_embeddings=2048, tie_word_embeddings=True,
+             head_dim=64)
+PROMPT, NEW = 32, 64
+KINDS = [('weights (linear)', ('addmm', 'aten::mm', 'linear', 'matmul', 'aten::mv', 'addmv')),
+         ('attention', ('scaled_dot_product', 'softmax', 'bmm')),
+         ('norms', ('layer_norm', 'rms_norm', 'rsqrt', 'pow', 'mean')),
+         ('activations and residuals', ('gelu', 'silu', 'mul', 'tanh', 'aten::add')),
+         ('cache writes', ('copy_', 'aten::cat', 'index_copy', 'slice_scatter')),
+         ('choosing the token', ('argmax', 'aten::max')),
+         ('embedding', ('embedding', 'index_select'))]
+
+
+def hf_model(config: dict):
+    from transformers import AutoConfig, AutoModelForCausalLM
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(**config, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation='sdpa').eval()
+
+
+def ours_of(hf):
+    folder = tempfile.mkdtemp()
+    hf.save_pretrained(folder)
+    return from_hf(folder).eval()
+
+
+def bytes_a_token(model) -> int:
+    "Every weight a token reads: all parameters but the position table and the untied input embedding."
+    emb, head = model.token_emb.weight, model.head.weight
+    skip = {id(model.pos_emb.weight)} if model.pos_emb is not None else set()
+    if emb is not head: skip.add(id(emb))
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) in skip or id(p) in seen: continue
+        seen.add(id(p)); total += p.numel() * p.element_size()
+    return total
+
+
+def read_rates(threads: int) -> dict:
+    torch.set_num_threads(threads)
+    x, y, best = torch.ones(256 * 2**20), np.ones(256 * 2**20, np.float32), {}
+    for name, f in [('torch_sum', x.sum), ('numpy_sum', y.sum)]:
+        times = []
+        for _ in range(5):
+            start = time.perf_counter(); f(); times.append(time.perf_counter() - start)
+        best[name] = x.nbytes / min(times)
+    return best
+
+
+def gemv_rate(model, column_major: bool) -> float:
+    "Bytes per second of torch.mv over every matrix a token reads, in turn (all larger than the caches together)."
+    mats = [p.detach() for p in model.parameters() if p.dim() == 2 and p is not getattr(model.pos_emb, 'weight', 0)]
+    if column_major: mats = [m.t().contiguous().t() for m in mats]
+    xs = {m.shape[1]: torch.randn(m.shape[1]) for m in mats}
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for m in mats: torch.mv(m, xs[m.shape[1]])
+        times.append(time.perf_counter() - start)
+    return sum(m.nbytes for m in mats) / min(times)
+
+
+def ours_rate(model, ids, new, static=False) -> tuple:
+    steps = []
+    out = generate(model, ids, new, step_times=steps, static=static, stop_ids=[])
+    return (new - 1) * ids.shape[0] / sum(steps[1:]), out[:, ids.shape[1]:]
+
+
+def hf_rate(hf, ids, new, static=False) -> tuple:
+    options = dict(do_sample=False, min_new_tokens=new, max_new_tokens=new, pad_token_id=0)
+    if static: options['cache_implementation'] = 'static'
+    start = time.perf_counter(); hf.generate(ids, **{**options, 'min_new_tokens': 1, 'max_new_tokens': 1})
+    first = time.perf_counter() - start
+    start = time.perf_counter(); out = hf.generate(ids, **options); whole = time.perf_counter() - start
+    return (new - 1) * ids.shape[0] / (whole - first), out[:, ids.shape[1]:]
+
+
+def llamacpp_rate(python, path, threads) -> float:
+    got = subprocess.run([python, str(ROOT/'bench'/'llamacpp_child.py'), 'time', path, str(threads), str(PROMPT),
+                          str(NEW)], capture_output=True, text=True, check=True)
+    return json.loads(got.stdout.strip().splitlines()[-1])['tok_s']
+
+
+def profile_step(model) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+    ids, caches, n = torch.randint(3, model.vocab_size, (1, PROMPT)), model.new_caches(), 20
+    with torch.no_grad():
+        model(ids, caches); nxt = torch.tensor([[5]])
+        for _ in range(5): model(nxt, caches)[:, -1].argmax(-1)
+        start = time.perf_counter()
+        for _ in range(n): model(nxt, caches)[:, -1].argmax(-1)
+        plain = (time.perf_counter() - start) / n
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            start = time.perf_counter()
+            for _ in range(n): model(nxt, caches)[:, -1].argmax(-1)
+            profiled = (time.perf_counter() - start) / n
+    kinds, ops, calls = collections.Counter(), 0.0, 0
+    for e in prof.key_averages():
+        if not e.key.startswith('aten::'): continue
+        ops += e.self_cpu_time_total; calls += e.count
+        kind = next((k for k, keys in KINDS if any(s in e.key for s in keys)), 'other operators (views, masks)')
+        kinds[kind] += e.self_cpu_time_total
+    ms = {k: v / n / 1e3 for k, v in kinds.most_common()}
+    ms['Python and dispatch (outside operators)'] = max(profiled * 1e3 - ops / n / 1e3, 0.0)
+    return dict(step_ms=plain * 1e3, profiled_step_ms=profiled * 1e3, operator_calls=calls // n, ms=ms)
+
+
+def bare_step(model, column_major: bool):
+    "A decode step with nothing but the arithmetic (gpt-fast's shape of step), for GPT-2 or Llama: f(token, pos)."
+    lay = (lambda w: w.detach().t().contiguous().t()) if column_major else (lambda w: w.detach())
+    blocks, gpt2 = model.blocks, model.pos_emb is not None
+    a0 = blocks[0].attn
+    H, KV, hd = a0.num_heads, a0.num_kv_heads, a0.head_dim
+    K = torch.zeros(len(blocks), KV, 2048, hd); V = torch.zeros_like(K)
+    W = [dict(qkv=lay(torch.cat([b.attn.W_query.weight, b.attn.W_key.weight, b.attn.W_value.weight])),
+              o=lay(b.attn.out_proj.weight),
+              up=lay(b.mlp[0].weight) if gpt2 else lay(torch.cat([b.mlp.gate.weight, b.mlp.up.weight])),
+              down=lay(b.mlp[2].weight) if gpt2 else lay(b.mlp.down.weight)) for b in blocks]
+    bias = [torch.cat([b.attn.W_query.bias, b.attn.W_key.bias, b.attn.W_value.bias]) if gpt2 else None
+            for b in blocks]
+    head, D = lay(model.head.weight), model.token_emb.weight.shape[1]
+    cos, sin = (None, None) if gpt2 else a0._rope_table(2048, K)
+    def turn(t, p):  # RoPE at position p, (heads, hd)
+        half = hd // 2
+        return t * cos[p] + torch.cat([-t[:, half:], t[:, :half]], -1) * sin[p]
+    def step(token, p):
+        x = model.token_emb.weight[token] + (model.pos_emb.weight[p] if gpt2 else 0)
+        for i, b in enumerate(blocks):
+            if gpt2: h = F.layer_norm(x, (D,), b.norm1.weight, b.norm1.bias, b.norm1.eps)
+            else: h = F.rms_norm(x, (D,), b.norm1.weight, b.norm1.eps)
+            qkv = torch.addmv(bias[i], W[i]['qkv'], h) if gpt2 else torch.mv(W[i]['qkv'], h)
+            q, k, v = qkv.split([H * hd, KV * hd, KV * hd])
+            q, k, v = q.view(H, hd), k.view(KV, hd), v.view(KV, hd)
+            if not gpt2: q, k = turn(q, p), turn(k, p)
+            K[i, :, p], V[i, :, p] = k, v
+            keys, values = K[i, :, :p + 1], V[i, :, :p + 1]                    # (KV, S, hd)
+            scores = torch.bmm(q.view(KV, H // KV, hd) * hd ** -0.5, keys.transpose(1, 2))
+            o = torch.bmm(scores.softmax(-1), values).reshape(H * hd)
+            x = x + b.attn.out_proj.bias + torch.mv(W[i]['o'], o) if gpt2 else x + torch.mv(W[i]['o'], o)
+            if gpt2:
+                h = F.layer_norm(x, (D,), b.norm2.weight, b.norm2.bias, b.norm2.eps)
+                u = F.gelu(torch.addmv(b.mlp[0].bias, W[i]['up'], h), approximate='tanh')
+                x = torch.addmv(x + b.mlp[2].bias, W[i]['down'], u)
+            else:
+                gate, up = torch.mv(W[i]['up'], F.rms_norm(x, (D,), b.norm2.weight, b.norm2.eps)).chunk(2)
+                x = x + torch.mv(W[i]['down'], F.silu(gate) * up)
+        x = (F.layer_norm(x, (D,), model.norm.weight, model.norm.bias, model.norm.eps) if gpt2
+             else F.rms_norm(x, (D,), model.norm.weight, model.norm.eps))
+        return torch.mv(head, x)
+    return step
+
+
+def bare_rate(model, column_major: bool, ids) -> tuple:
+    step, tokens = bare_step(model, column_major), ids[0].tolist()
+    with torch.no_grad():
+        for p, t in enumerate(tokens): logits = step(t, p)
+        new, start = [], None
+        for i in range(NEW):
+            if i == 1: start = time.perf_counter()
+            new.append(int(logits.argmax())); logits = step(new[-1], len(tokens) + i)
+        return (NEW - 1) / (time.perf_counter() - start), new
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument('--llamacpp-python', help="a Python with llama-cpp-python and gguf; else llama.cpp is skipped")
+    parser.add_argument('--rounds', type=int, default=3)
+    parser.add_argument('--out', default=str(ROOT/'bench'/'cpu_decode.json'))
+    parser.add_argument('--no-large', action='store_true', help='leave out the 1 B shape')
+    args = parser.parse_args()
+    import transformers
+    transformers.logging.set_verbosity_error(); transformers.utils.logging.disable_progress_bar()
+    load = [os.getloadavg()[0]]
+    result = dict(command='python bench/cpu_decode.py' + (' ' + shlex.join(sys.argv[1:]) if sys.argv[1:] else ''),
+                  date=datetime.date.today().isoformat(), torch=torch.__version__,
+                  transformers=transformers.__version__, machine=dict(
+                      cpu_model=next((l.split(':', 1)[1].strip() for l in open('/proc/cpuinfo')
+                                      if l.startswith('model name')), platform.processor()),
+                      cpu_count=os.cpu_count()), threads='1 and 2', dtype='float32', prompt_tokens=PROMPT, new_tokens=NEW,
+                  rounds=args.rounds, llamacpp='skipped: no --llamacpp-python' if not args.llamacpp_python else
+                  'llama-cpp-python ' + subprocess.run([args.llamacpp_python, '-c', 'import llama_cpp; print('
+                                                        'llama_cpp.__version__)'], capture_output=True,
+                                                       text=True).stdout.strip())
+    result['bandwidth'] = {f'{t}_thread{"s" * (t > 1)}': read_rates(t) for t in (1, 2)}
+    shapes, ggufs = {}, {}
+    for name, config in SHAPES.items():
+        hf = hf_model(config)
+        shapes[name] = (hf, ours_of(hf))
+        if args.llamacpp_python:
+            ggufs[name] = tempfile.mkdtemp() + f'/{name}.gguf'
+            subprocess.run([args.llamacpp_python, str(ROOT/'bench'/'llamacpp_child.py'), 'write', name,
+                            ggufs[name]], check=True, capture_output=True)
+    torch.set_num_threads(1)
+    result['shapes'] = {}
+    for name, (hf, ours) in shapes.items():
+        read = bytes_a_token(ours)
+        result['shapes'][name] = dict(config=SHAPES[name], bytes_a_token=read,
+                                      gemv_row_major=gemv_rate(ours, False), gemv_column_major=gemv_rate(ours, True))
+    # peers, interleaved: rounds outermost, so every system sees the same moments of the machine
+    systems = ['package generate', 'package static', 'transformers dynamic', 'transformers static']
+    if args.llamacpp_python: systems.append('llama.cpp')
+    rates, equal = collections.defaultdict(list), collections.defaultdict(list)
+    for r in range(args.rounds):
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for name, (hf, ours) in shapes.items():
+                ids = torch.randint(3, SHAPES[name]['vocab_size'], (1, PROMPT), generator=torch.Generator().manual_seed(r))
+                with torch.no_grad():
+                    got = {'package generate': ours_rate(ours, ids, NEW), 'package static': ours_rate(ours, ids, NEW, True),
+                           'transformers dynamic': hf_rate(hf, ids, NEW), 'transformers static': hf_rate(hf, ids, NEW, True)}
+                first = got['package generate'][1].tolist()
+                for k, (_, t) in got.items(): equal[name, k].append(t.tolist() == first)
+                for k, (rate, _) in got.items(): rates[name, threads, k].append(rate)
+                if args.llamacpp_python: rates[name, threads, 'llama.cpp'].append(
+                    llamacpp_rate(args.llamacpp_python, ggufs[name], threads))
+                print(f'round {r} {name} {threads} thread(s): ' + ', '.join(
+                    f'{k} {rates[name, threads, k][-1]:.1f}' for k in systems), flush=True)
+    for name in shapes:
+        s = result['shapes'][name]
+        s['peers'] = {}
+        for threads in (1, 2):
+            bw = result['bandwidth'][f'{threads}_thread{"s" * (threads > 1)}']
+            best = max(bw.values()); limit = best / s['bytes_a_token']
+            row = {k: statistics.median(rates[name, threads, k]) for k in systems}
+            s['peers'][f'{threads}'] = dict(limit_tok_s=limit, tok_s=row,
+                                            fraction_of_limit={k: v / limit for k, v in row.items()},
+                                            runs={k: rates[name, threads, k] for k in systems})
+        s['tokens_equal_package_generate'] = {k: all(equal[name, k]) for k in systems if k != 'llama.cpp'}
+    # what a token costs along the context and the batch, the package at 1 thread
+    torch.set_num_threads(1)
+    for name, (hf, ours) in shapes.items():
+        longest = SHAPES[name].get('n_positions', SHAPES[name].get('max_position_embeddings'))
+        costs = {}
+        for context, batch in [(32, 1), (512, 1), (min(2048, longest) - NEW, 1), (32, 4), (32, 16)]:
+            ids = torch.randint(3, SHAPES[name]['vocab_size'], (batch, context))
+            with torch.no_grad(): rate, _ = ours_rate(ours, ids, NEW)
+            kv = 2 * len(ours.blocks) * ours.blocks[0].attn.num_kv_heads * ours.blocks[0].attn.head_dim * 4
+            read = result['shapes'][name]['bytes_a_token'] + batch * (context + NEW // 2) * kv   # a step's bytes
+            step_s = batch / rate
+            costs[f'context {context}, batch {batch}'] = dict(tok_s=rate, bytes_a_step=read,
+                                                              read_gb_s=read / step_s / 1e9)
+            print(name, context, batch, f'{rate:.1f} tok/s', flush=True)
+        result['shapes'][name]['costs'] = costs
+        result['shapes'][name]['profile'] = profile_step(ours)
+        ids = torch.randint(3, SHAPES[name]['vocab_size'], (1, PROMPT))
+        reference = ours_rate(ours, ids, NEW)[1][0].tolist()
+        head = {}
+        for layout in ('row-major', 'column-major'):
+            rate, tokens = bare_rate(ours, layout == 'column-major', ids)
+            head[layout] = dict(tok_s=rate, tokens_equal=tokens == reference)
+        result['shapes'][name]['headroom'] = head
+        print(name, 'profile', result['shapes'][name]['profile'], 'headroom', head, flush=True)
+    if not args.no_large:
+        hf = None
+        from selfattn_nbdev.models import Llama, llama_config
+        torch.manual_seed(0)
+        big = Llama(**llama_config(LARGE)).eval()
+        read, large = bytes_a_token(big), {}
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            limit = max(result['bandwidth'][f'{threads}_thread{"s" * (threads > 1)}'].values()) / read
+            ids = torch.randint(3, LARGE['vocab_size'], (1, PROMPT))
+            with torch.no_grad(): rate, _ = ours_rate(big, ids, 16)
+            large[f'{threads}'] = dict(tok_s=rate, limit_tok_s=limit, fraction_of_limit=rate / limit)
+            print('large', threads, large[f'{threads}'], flush=True)
+        result['large'] = dict(config=LARGE, bytes_a_token=read, runs=large)
+    load.append(os.getloadavg()[0])
+    result['load_average_1min'] = load
+    Path(args.out).write_text(json.dumps(result, indent=1) + '\n')
+    print('wrote', args.out)
+
+
+if __name__ == '__main__':
+    main()

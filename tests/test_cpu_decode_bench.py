@@ -1,0 +1,40 @@
+"""bench/cpu_decode.py's own code on tiny models: the bytes a token reads (tied and untied heads, no position table),
+the bare decode step it measures as headroom (the model's logits, weights row-major and column-major, GPT-2 and a
+Llama with grouped key/value heads), and the profile's breakdown of a step."""
+import pytest
+import torch
+
+pytest.importorskip('transformers')
+from bench import cpu_decode  # noqa: E402
+from selfattn_nbdev.models import GPT2, Llama  # noqa: E402
+
+
+def tiny(kind):
+    torch.manual_seed(0)
+    if kind == 'gpt2': return GPT2(vocab_size=97, context_length=128, d_model=32, num_heads=4, num_layers=2).eval()
+    return Llama(97, 128, 32, num_heads=4, num_layers=2, num_kv_heads=2, d_hidden=48).eval()
+
+
+def test_bytes_a_token_count_what_a_token_reads():
+    g, l = tiny('gpt2'), tiny('llama')
+    params = lambda m: sum(p.numel() for p in m.parameters())           # a tied table counted once
+    assert cpu_decode.bytes_a_token(g) == 4 * (params(g) - 128 * 32)    # the position table is not read
+    assert cpu_decode.bytes_a_token(l) == 4 * (params(l) - 97 * 32)     # one row of the untied embedding
+
+
+@pytest.mark.parametrize('kind', ['gpt2', 'llama'])
+@pytest.mark.parametrize('column_major', [False, True])
+def test_the_bare_step_computes_the_models_logits(kind, column_major):
+    model = tiny(kind)
+    ids = torch.randint(0, 97, (1, 20))
+    step = cpu_decode.bare_step(model, column_major)
+    with torch.no_grad():
+        want = model(ids)[0]                                             # (20, 97)
+        got = torch.stack([step(int(t), p) for p, t in enumerate(ids[0])])
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_the_profile_accounts_for_the_step():
+    prof = cpu_decode.profile_step(tiny('llama'))
+    assert prof['operator_calls'] > 10 and prof['ms']['weights (linear)'] > 0
+    assert sum(prof['ms'].values()) <= 1.5 * prof['profiled_step_ms']

@@ -10,7 +10,7 @@ def pytest_configure(config):
         os.environ.setdefault('OMP_NUM_THREADS', '1')
 
 
-QUICK_GRID = 12  # a parametrized test with more cases than this runs a covering subset under --quick
+QUICK_GRID = 6  # a parametrized test with more cases than this runs a covering subset under --quick
 
 
 def covering(items: list) -> list:

@@ -8,8 +8,8 @@ Clones the repository's HEAD (or --rev) into a temporary folder with `../shared`
 one, and `make test-site`. For each it records the wall-clock seconds, the CPU seconds of its child processes and,
 for the pytest steps, pytest's own count and seconds, the coverage and the seconds of each notebook and test file
 (pytest's --durations, setup, call and teardown summed; with two workers they overlap); for `make test-nbdev`, the
-seconds of each notebook (`nbdev_test --timing`). `make test-nbdev`, nbdev's own command, is timed too but is not one
-of CI's steps (`in_ci: false`, left out of the total). The Measurements page reads the JSON.
+seconds of each notebook (`nbdev_test --timing`). `make test-nbdev`, nbdev's own command, and `make test-quick`, the
+edit loop (warm, after `make test`), are timed too but are not CI's steps (`in_ci: false`, left out of the total). The Measurements page reads the JSON.
 """
 import argparse, datetime, json, os, platform, re, resource, shlex, subprocess, sys, tempfile, time
 from pathlib import Path
@@ -68,6 +68,7 @@ def main():
                   load_average_at_start=os.getloadavg()[0], steps={})
     timed = env | dict(PYTEST_ADDOPTS='--durations=0 --durations-min=0.5')   # each file's seconds
     steps = [('install', ['make', 'install'], env), ('test', ['make', 'test'], timed),
+             ('test-quick', ['make', 'test-quick'], env),   # the edit loop, warm: after make test
              ('test-slow', ['make', 'test-slow'], timed), ('test-nbdev', ['make', 'test-nbdev'], env),
              ('docs', ['make', 'docs'], env)]
     if a.quarto:
@@ -83,7 +84,8 @@ def main():
                                    capture_output=True, text=True).stdout.strip()
     result['torch'] = torch_version
     result['load_average_at_end'] = os.getloadavg()[0]
-    result['steps']['test-nbdev']['in_ci'] = False   # a contributor's command: make test runs the notebooks in CI
+    for name in ('test-nbdev', 'test-quick'):   # a contributor's commands: make test runs the notebooks in CI
+        result['steps'][name]['in_ci'] = False
     result['total_seconds'] = round(sum(s['seconds'] for s in result['steps'].values() if s.get('in_ci', True)), 1)
     Path(a.out).write_text(json.dumps(result, indent=1) + '\n')
     print(f"wrote {a.out}; total {result['total_seconds']} s; logs in {log} (commit {commit[:12]})")

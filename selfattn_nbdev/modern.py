@@ -233,8 +233,9 @@ def _attend_fused(self:MultiHeadAttention,
                      enable_gqa=self.num_kv_heads != self.num_heads)  # repeats k, v
     num_tokens, num_keys = queries.shape[2], keys.shape[2]
     plain = self.window is None or num_keys <= self.window  # every key within reach
-    if allowed is None and plain and (not self.causal or num_tokens == num_keys):
-        return kernel(queries, keys, values, is_causal=self.causal)  # no mask
+    last = num_tokens == 1  # one query, the last position: every key is its past
+    if allowed is None and plain and (not self.causal or num_tokens == num_keys or last):
+        return kernel(queries, keys, values, is_causal=self.causal and not last)
     if allowed is None: allowed = self._allowed(num_tokens, num_keys)
     if every_row: return kernel(queries, keys, values, attn_mask=allowed)  # no check
     dead = ~allowed.any(-1, keepdim=True)     # (b, 1, T, 1): a query with no key

@@ -234,7 +234,8 @@ def _attend_fused(self:MultiHeadAttention,
     num_tokens, num_keys = queries.shape[2], keys.shape[2]
     plain = self.window is None or num_keys <= self.window  # every key within reach
     last = num_tokens == 1  # one query, the last position: every key is its past
-    if allowed is None and plain and (not self.causal or num_tokens == num_keys or last):
+    unmasked = not self.causal or num_tokens == num_keys or last
+    if allowed is None and plain and unmasked:
         return kernel(queries, keys, values, is_causal=self.causal and not last)
     if allowed is None: allowed = self._allowed(num_tokens, num_keys)
     if every_row: return kernel(queries, keys, values, attn_mask=allowed)  # no check

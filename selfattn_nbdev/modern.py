@@ -180,18 +180,14 @@ def __init__(self:MultiHeadAttention,
     self.dropout = nn.Dropout(dropout)
 
 # %% ../nbs/09_modern.ipynb #9f560aa0
-@patch
-def extra_repr(self:MultiHeadAttention) -> str:
-    "The sizes shown when the module is printed; the options that are not defaults."
-    shared = self.num_kv_heads != self.num_heads
-    extras = [f"num_kv_heads={self.num_kv_heads}"] * shared
-    extras += [f"window={self.window}"] * (self.window is not None)
-    extras += [f"rope=True, rope_base={self.rope_base:g}"] * self.rope
-    extras += ["out_bias=False"] * (self.out_proj.bias is None)
-    sizes = (f"d_in={self.d_in}, d_out={self.d_out}, "
-             f"context_length={self.context_length}, "
-             f"num_heads={self.num_heads}, causal={self.causal}")
-    return sizes + (",\n" + ", ".join(extras) if extras else "")  # a 2nd line
+def _options_shown(m:MultiHeadAttention) -> list: # "option=value", not the defaults
+    "GQA's key/value heads, a window, RoPE and out_proj without a bias, where chosen."
+    extras = [f"num_kv_heads={m.num_kv_heads}"] * (m.num_kv_heads != m.num_heads)
+    extras += [f"window={m.window}"] * (m.window is not None)
+    extras += [f"rope=True, rope_base={m.rope_base:g}"] * m.rope
+    return extras + ["out_bias=False"] * (m.out_proj.bias is None)
+
+MultiHeadAttention._shown['options'] = _options_shown  # printed after the sizes
 
 # %% ../nbs/09_modern.ipynb #fd19675a
 MultiHeadAttention._settings = tuple(dict.fromkeys(  # in order, each once

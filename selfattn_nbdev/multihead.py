@@ -108,11 +108,15 @@ class MultiHeadAttention(nn.Module):
         "The queries, keys and values `forward` attends with: here `_qkv`'s."
         return self._qkv(x)
 
+    _shown = {}  # name: module -> ["option=value", ...], which later pages add
+
     def extra_repr(self) -> str:
-        "The sizes shown when the module is printed."
-        return (f"d_in={self.d_in}, d_out={self.d_out}, "
-                f"context_length={self.context_length}, "
-                f"num_heads={self.num_heads}, causal={self.causal}")
+        "The sizes shown when the module is printed; after them, later pages' options."
+        sizes = (f"d_in={self.d_in}, d_out={self.d_out}, "
+                 f"context_length={self.context_length}, "
+                 f"num_heads={self.num_heads}, causal={self.causal}")
+        extras = [text for shown in self._shown.values() for text in shown(self)]
+        return sizes + (",\n" + ", ".join(extras) if extras else "")  # a 2nd line
 
 # %% ../nbs/04_multihead.ipynb #ce557135
 # checkpoints that saved a mask load: it is skipped, as CausalAttention skips it

@@ -16,8 +16,10 @@ llama.cpp's is. Recorded:
   `generate` (growing caches) and `generate(static=True)`, transformers' `generate` (dynamic and static cache) and
   llama.cpp (skipped without `--llamacpp-python`, a Python with llama-cpp-python and gguf: see
   bench/llamacpp_child.py); medians of the rounds;
-- `costs`: the package's `generate` at 1 thread at contexts of 32, 512 and the longest the shape takes less the new
-  tokens (1,984 for the Llama shape, 960 for GPT-2's 1,024) at batch 1, and at batches of 1, 4 and 16 at 32;
+- `costs`: at 1 thread, contexts of 32, 512 and the longest the shape takes less the new tokens (1,984 for the
+  Llama shape, 960 for GPT-2's 1,024) at batch 1, and batches of 4 and 16 at 32: the package's `generate`, with the
+  bytes a step reads over its time, and beside it transformers (dynamic and static cache) and llama.cpp (batch 1:
+  llama-cpp-python decodes one sequence);
 - `profile`: one decode step of each shape at 1 thread under torch's profiler, its time by kind of work, and the
   time outside torch's operators (Python and dispatch);
 - `headroom`: a bare decode step written against the same weights (no checks, no masks, fused projections: what
@@ -118,8 +120,8 @@ def hf_rate(hf, ids, new, static=False) -> tuple:
     return (new - 1) * ids.shape[0] / (whole - first), out[:, ids.shape[1]:]
 
 
-def llamacpp_rate(python, path, threads) -> float:
-    got = subprocess.run([python, str(ROOT/'bench'/'llamacpp_child.py'), 'time', path, str(threads), str(PROMPT),
+def llamacpp_rate(python, path, threads, prompt=PROMPT) -> float:
+    got = subprocess.run([python, str(ROOT/'bench'/'llamacpp_child.py'), 'time', path, str(threads), str(prompt),
                           str(NEW)], capture_output=True, text=True, check=True)
     return json.loads(got.stdout.strip().splitlines()[-1])['tok_s']
 
@@ -276,13 +278,18 @@ def main():
         costs = {}
         for context, batch in [(32, 1), (512, 1), (min(2048, longest) - NEW, 1), (32, 4), (32, 16)]:
             ids = torch.randint(3, SHAPES[name]['vocab_size'], (batch, context))
-            with torch.no_grad(): rate, _ = ours_rate(ours, ids, NEW)
+            with torch.no_grad():
+                rate, _ = ours_rate(ours, ids, NEW)
+                others = {'transformers dynamic': hf_rate(hf, ids, NEW)[0],
+                          'transformers static': hf_rate(hf, ids, NEW, True)[0]}
+            others['llama.cpp'] = (llamacpp_rate(args.llamacpp_python, ggufs[name], 1, context)
+                                   if args.llamacpp_python and batch == 1 else None)  # one sequence
             kv = 2 * len(ours.blocks) * ours.blocks[0].attn.num_kv_heads * ours.blocks[0].attn.head_dim * 4
             read = result['shapes'][name]['bytes_a_token'] + batch * (context + NEW // 2) * kv   # a step's bytes
             step_s = batch / rate
             costs[f'context {context}, batch {batch}'] = dict(tok_s=rate, bytes_a_step=read,
-                                                              read_gb_s=read / step_s / 1e9)
-            print(name, context, batch, f'{rate:.1f} tok/s', flush=True)
+                                                              read_gb_s=read / step_s / 1e9, others=others)
+            print(name, context, batch, f'{rate:.1f} tok/s', others, flush=True)
         result['shapes'][name]['costs'] = costs
         result['shapes'][name]['profile'] = profile_step(ours)
         ids = torch.randint(3, SHAPES[name]['vocab_size'], (1, PROMPT))

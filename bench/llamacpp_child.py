@@ -59,7 +59,7 @@ def write(shape: str, path: str) -> dict:
 
 def timed(path: str, threads: int, prompt: int, new: int) -> dict:
     from llama_cpp import Llama
-    llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=prompt + new + 8,
+    llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=prompt + new,
                 n_batch=max(prompt, 8), verbose=False)
     vocab = llm.n_vocab()
     ids = [int(i) for i in np.random.default_rng(1).integers(3, vocab, prompt)]

@@ -293,20 +293,19 @@ def _rope_table(self:MultiHeadAttention,
                                            base, dtype)
     return _shared_table(self, ('rope', hd, base), num_positions, like, make)
 
-@patch
-def _project(self:MultiHeadAttention,
-             x:Tensor, # tokens, (b, num_tokens, d_in)
-             positions:Tensor|None=None, # RoPE's (b | 1, T); None: 0 .. T-1
-            ) -> tuple: # queries (b, heads, T, hd); keys, values (b, kv, T, hd)
-    "Queries, keys and values of `x` in heads; with RoPE, queries and keys turned."
-    queries, keys, values = self._qkv(x)  # (b, heads, T, hd); (b, kv_heads, T, hd)
-    if self.rope:  # turn each query and key by the angle of its position
-        cos, sin = self._rope_table(self.context_length, queries)  # (positions, hd)
-        if positions is None: cos, sin = cos[:x.shape[1]], sin[:x.shape[1]]
-        else:  # (b | 1, 1, T, hd)
-            cos, sin = cos[positions][:, None], sin[positions][:, None]
-        queries, keys = rope_rotate(queries, cos, sin), rope_rotate(keys, cos, sin)
-    return queries, keys, values
+def _rope_rule(m:MultiHeadAttention, # the module: its rope, context_length, tables
+               queries:Tensor, keys:Tensor, # (b, heads | kv_heads, T, head_dim)
+               positions:Tensor|None, # RoPE's (b | 1, T); None: 0 .. T-1
+              ) -> tuple: # queries, keys: turned if the module has RoPE
+    "With RoPE, turn each query and key by the angle of its position."
+    if not m.rope: return queries, keys
+    cos, sin = m._rope_table(m.context_length, queries)      # (positions, hd)
+    if positions is None: cos, sin = cos[:queries.shape[2]], sin[:queries.shape[2]]
+    else:  # (b | 1, 1, T, hd)
+        cos, sin = cos[positions][:, None], sin[positions][:, None]
+    return rope_rotate(queries, cos, sin), rope_rotate(keys, cos, sin)
+
+MultiHeadAttention._position_rules['rope'] = _rope_rule  # _project applies it
 
 # %% ../nbs/09_modern.ipynb #f74cb0da
 @patch

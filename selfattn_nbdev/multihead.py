@@ -104,9 +104,17 @@ class MultiHeadAttention(nn.Module):
         projections = (self.W_query, self.W_key, self.W_value)
         return [self._split_heads(W(x)) for W in projections]  # each (b, h, T, hd)
 
-    def _project(self, x:Tensor) -> list: # what forward attends with
-        "The queries, keys and values `forward` attends with: here `_qkv`'s."
-        return self._qkv(x)
+    _position_rules = {}  # name: (module, q, k, positions) -> q, k; a later page's RoPE
+
+    def _project(self,
+                 x:Tensor, # tokens, (b, num_tokens, d_in)
+                 positions:Tensor|None=None, # where the tokens stand; None: 0 .. T-1
+                ) -> list: # what forward attends with: queries, keys, values in heads
+        "`_qkv`'s queries, keys, values; queries and keys through `_position_rules`."
+        queries, keys, values = self._qkv(x)                   # (b, heads, T, hd) each
+        for rule in self._position_rules.values():
+            queries, keys = rule(self, queries, keys, positions)
+        return [queries, keys, values]
 
     _shown = {}  # name: module -> ["option=value", ...], which later pages add
 

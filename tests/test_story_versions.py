@@ -22,6 +22,7 @@ GROWN = [(MultiHeadAttention, ['__init__', 'extra_repr', '_project', '_allowed',
          (TinyGPT, ['__init__', 'forward', 'new_caches']), (TransformerBlock, ['forward']),
          (KVCache, ['update']), (StaticKVCache, ['_allocate', 'update', '_allowed', '__len__']),
          (generation, ['generate_stream', 'generate'])]
+PARTS = [(MultiHeadAttention, '_position_rules'), (MultiHeadAttention, '_shown')]  # the parts later pages add
 
 
 def _page(f) -> int: return PAGES.index(f.__module__.rsplit('.', 1)[-1])
@@ -36,17 +37,21 @@ def version_at(owner, name: str, page: str):
 
 @contextlib.contextmanager
 def as_of(page: str):
-    "Put back the versions of every grown method and function as they stand after `page`."
+    "Put back the versions of every grown method and function, and the parts, as they stand after `page`."
     saved = [(owner, name, owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name))
              for owner, names in GROWN for name in names]
+    parts = [(getattr(owner, name), dict(getattr(owner, name))) for owner, name in PARTS]
     try:
         for owner, name, _ in saved:
             f = version_at(owner, name, page)
             if f is None: delattr(owner, name)  # not there yet: the class's own, or its parent's
             else: setattr(owner, name, f)
+        for table, entries in parts:  # a part added by a later page is not there yet
+            table.clear(); table.update({k: f for k, f in entries.items() if _page(f) <= PAGES.index(page)})
         yield
     finally:
         for owner, name, f in saved: setattr(owner, name, f)
+        for table, entries in parts: table.clear(); table.update(entries)
 
 
 def test_the_versions_are_in_reading_order():

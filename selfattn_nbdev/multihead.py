@@ -104,12 +104,9 @@ class MultiHeadAttention(nn.Module):
         projections = (self.W_query, self.W_key, self.W_value)
         return [self._split_heads(W(x)) for W in projections]  # each (b, h, T, hd)
 
-    _position_rules = {}  # name: (module, q, k, positions) -> q, k; a later page's RoPE
+    _position_rules = {}  # name: (module, q, k, positions) -> q, k: a later page's RoPE
 
-    def _project(self,
-                 x:Tensor, # tokens, (b, num_tokens, d_in)
-                 positions:Tensor|None=None, # where the tokens stand; None: 0 .. T-1
-                ) -> list: # what forward attends with: queries, keys, values in heads
+    def _project(self, x:Tensor, positions:Tensor|None=None) -> list: # q, k, v in heads
         "`_qkv`'s queries, keys, values; queries and keys through `_position_rules`."
         queries, keys, values = self._qkv(x)                   # (b, heads, T, hd) each
         for rule in self._position_rules.values():
@@ -120,11 +117,10 @@ class MultiHeadAttention(nn.Module):
 
     def extra_repr(self) -> str:
         "The sizes shown when the module is printed; after them, later pages' options."
-        sizes = (f"d_in={self.d_in}, d_out={self.d_out}, "
-                 f"context_length={self.context_length}, "
-                 f"num_heads={self.num_heads}, causal={self.causal}")
         extras = [text for shown in self._shown.values() for text in shown(self)]
-        return sizes + (",\n" + ", ".join(extras) if extras else "")  # a 2nd line
+        return (f"d_in={self.d_in}, d_out={self.d_out}, context_length="
+                f"{self.context_length}, num_heads={self.num_heads}, "
+                f"causal={self.causal}" + (",\n" + ", ".join(extras) if extras else ""))
 
 # %% ../nbs/04_multihead.ipynb #ce557135
 # checkpoints that saved a mask load: it is skipped, as CausalAttention skips it

@@ -301,7 +301,6 @@ def main():
         result['shapes'][name]['headroom'] = head
         print(name, 'profile', result['shapes'][name]['profile'], 'headroom', head, flush=True)
     if not args.no_large:
-        hf = None
         from selfattn_nbdev.models import Llama, llama_config
         torch.manual_seed(0)
         big = Llama(**llama_config(LARGE)).eval()

@@ -177,14 +177,11 @@ class StaticKVCache:
 
 # %% ../nbs/07_batches.ipynb #bbfdf302
 @patch
-def new_caches(self:TinyGPT,
-               capacity:int|None=None, # None: growing caches; else fixed shapes
-               pads:Tensor|None=None, # with a capacity: left padding of each row
-              ) -> list:
-    "One empty cache per block: a `KVCache`, or a `StaticKVCache` of `capacity`."
-    if capacity is None:
-        if pads is not None: raise ValueError("pads needs a capacity; got None")
-        return [KVCache() for _ in self.blocks]
+def _fixed_caches(self:TinyGPT,
+                  capacity:int, # the columns of every cache
+                  pads:Tensor|None=None, # left padding of each row
+                 ) -> list:
+    "`new_caches(capacity, pads)`: one `StaticKVCache` per block, sharing their masks."
     masks = {}  # one mask a step, built by the first block, read by the others
     return [StaticKVCache(capacity, pads, masks) for _ in self.blocks]
 

@@ -81,9 +81,11 @@ class TransformerBlock(nn.Module):
 
     def forward(self,
                 x:Tensor, # token vectors, (b, num_tokens, d_model)
+                **attn_inputs, # more for the attention: a cache (below), ...
                ) -> Tensor: # (b, num_tokens, d_model)
         "Attend to the earlier tokens, then transform each token; add both to `x`."
-        x = x + self.attn(self.norm1(x))                # (b, num_tokens, d_model)
+        check_tokens(x, self.attn.d_in, self.norm1.weight.dtype)  # a clear error
+        x = x + self.attn(self.norm1(x), **attn_inputs)  # (b, num_tokens, d_model)
         return x + self.mlp(self.norm2(x))              # (b, num_tokens, d_model)
 
 # %% ../nbs/06_generation.ipynb #b2a5caa3
@@ -102,24 +104,14 @@ class TinyGPT(nn.Module):
         check_size(d_model, 'd_model'); check_size(context_length, 'context_length')
         self.vocab_size, self.context_length = vocab_size, context_length
         self.token_emb = nn.Embedding(vocab_size, d_model)
-        self.pos_emb = nn.Embedding(context_length, d_model)  # a vector per position
+        self.pos_emb = (None if options.get('rope') else  # a vector per position (a
+                        nn.Embedding(context_length, d_model))  # later page: RoPE)
         self.blocks = nn.ModuleList(
             TransformerBlock(d_model, context_length, num_heads, **options)
             for _ in range(num_layers))
         self.norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size)
 
-    def forward(self,
-                token_ids:Tensor, # (b, num_tokens)
-               ) -> Tensor: # next-token logits, (b, num_tokens, vocab_size)
-        "Scores for the token that follows each position."
-        check_token_ids(token_ids, self.vocab_size, dims=(2,))
-        check_context(token_ids.shape[1], self.context_length)
-        positions = torch.arange(token_ids.shape[1], device=token_ids.device)  # (T,)
-        x = self.token_emb(token_ids) + self.pos_emb(positions)  # (b, T, d_model)
-        for block in self.blocks:
-            x = block(x)                                         # (b, T, d_model)
-        return self.head(self.norm(x))                           # (b, T, vocab_size)
 
 # %% ../nbs/06_generation.ipynb #8691dde0
 def train_tiny_gpt(
@@ -278,13 +270,17 @@ class KVCache:
         "Where the new tokens stand in the sequence: after the ones seen."
         return torch.arange(self.num_seen, self.num_seen + num_new, device=device)[None]
 
+    _forget = {}  # name: (cache, module) -> None; a later page's window forgets keys
+
     def update(self,
                keys:Tensor,   # the new tokens' keys, (b, heads, num_tokens, head_dim)
                values:Tensor, # their values, the same shape
                module:nn.Module, # the attention module that calls
               ) -> tuple: # keys, values to attend to, and None: no mask of its own
         "What `MultiHeadAttention` calls: `append`; the causal mask follows the shapes."
-        return *self.append(keys, values), None
+        in_reach = self.append(keys, values)                   # (b, heads, len, hd)
+        for forget in self._forget.values(): forget(self, module)
+        return *in_reach, None
 
     def __repr__(self): return f"KVCache({len(self)} tokens)"
 
@@ -383,34 +379,27 @@ def forward(self:MultiHeadAttention,
 
 # %% ../nbs/06_generation.ipynb #bd1e21c8
 @patch
-def forward(self:TransformerBlock,
-            x:Tensor,   # token vectors, (b, num_tokens, d_model)
-            cache=None, # this block's cache, when generating
-           ) -> Tensor: # (b, num_tokens, d_model)
-    "Attend to the earlier tokens (and the cached ones), then transform each token."
-    check_tokens(x, self.attn.d_in, self.attn.W_query.weight.dtype)
-    x = x + self.attn(self.norm1(x), cache=cache)    # (b, num_tokens, d_model)
-    return x + self.mlp(self.norm2(x))             # (b, num_tokens, d_model)
-
-@patch
 def forward(self:TinyGPT,
             token_ids:Tensor, # (b, num_tokens): all tokens, or only the new ones
             caches:list|None=None, # from `new_caches`: token_ids are the new tokens
+            **attn_inputs, # more for every block's attention (a later page's)
            ) -> Tensor: # next-token logits, (b, num_tokens, vocab_size)
     "Scores for the token that follows each position; with caches, of the new ones."
-    self._check_call(token_ids, caches)                        # folded below
-    num_new, device = token_ids.shape[1], token_ids.device
-    positions = (torch.arange(num_new, device=device)[None] if caches is None
-                 else caches[0].positions(num_new, device))          # (b | 1, T)
+    positions = self._positions(token_ids, caches, attn_inputs)  # (b | 1, T); folded
     x = self.token_emb(token_ids)                            # (b, T, d_model)
     if self.pos_emb is not None: x = x + self.pos_emb(positions)  # a later page: None
     for i, block in enumerate(self.blocks):
-        x = block(x, None if caches is None else caches[i])
+        x = block(x, cache=None if caches is None else caches[i], **attn_inputs)
     return self.head(self.norm(x))                           # (b, T, vocab_size)
 
 @patch
-def new_caches(self:TinyGPT) -> list:
+def new_caches(self:TinyGPT,
+               capacity:int|None=None, # None: growing caches; else a later page's
+               pads:Tensor|None=None, # with a capacity: left padding of each row
+              ) -> list:
     "One empty `KVCache` per block: the caches of one generation."
+    if capacity is not None: return self._fixed_caches(capacity, pads)  # Batches
+    if pads is not None: raise ValueError("pads needs a capacity; got None")
     return [KVCache() for _ in self.blocks]
 
 # %% ../nbs/06_generation.ipynb #c8fb2efb
@@ -435,6 +424,23 @@ def _check_call(self:TinyGPT,
         raise ValueError(f"{seen} tokens so far and {num_new} new make "
                          f"{seen + num_new}, more than context_length="
                          f"{self.context_length}")
+
+TinyGPT._position_rules = {}  # name: (model, token_ids, caches, attn_inputs) -> or None
+
+@patch
+def _positions(self:TinyGPT,
+               token_ids:Tensor, # (b, num_tokens), the new tokens with caches
+               caches:list|None, # one per block, or None
+               attn_inputs:dict, # the rest of the call: a later page's rule reads it
+              ) -> Tensor: # (b | 1, num_tokens): the position of each token
+    "The first answer of a later page's rule; else 0, 1, ... or after the cached ones."
+    for rule in self._position_rules.values():
+        positions = rule(self, token_ids, caches, attn_inputs)
+        if positions is not None: return positions
+    self._check_call(token_ids, caches)
+    num_new, device = token_ids.shape[1], token_ids.device
+    return (torch.arange(num_new, device=device)[None] if caches is None
+            else caches[0].positions(num_new, device))
 
 # %% ../nbs/06_generation.ipynb #e7e1d94f
 def _decode(

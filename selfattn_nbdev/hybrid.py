@@ -588,7 +588,8 @@ class Gemma4(Gemma):
                ) -> Tensor: # next-token logits, (b, num_tokens, vocab_size)
         "Gemma's forward; sharing blocks read caches: a call without makes some."
         plain = self.per_layer_dim == 0 and all(s is None for s in self.kv_sources)
-        if plain: return super().forward(token_ids, caches, document_ids, **mods)
+        if plain: return super().forward(token_ids, caches,
+                                         document_ids=document_ids, **mods)
         if document_ids is not None or mods:
             raise ValueError(f"a Gemma4 with shared keys or per-layer inputs takes "
                              f"token_ids and caches only; got "

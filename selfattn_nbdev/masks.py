@@ -853,51 +853,32 @@ def forward(self:MultiHeadAttention,
     return out[0] if unbatched else out
 
 # %% ../nbs/10_masks.ipynb #15ed15b8
-@patch
-def forward(self:TransformerBlock,
-            x:Tensor,   # token vectors, (b, num_tokens, d_model)
-            cache=None, # this block's cache, when generating
-            document_ids:Tensor|None=None, # int (b, num_tokens): packed documents
-            **mods, # mask_mod, score_mod, scale: for the attention (its forward)
-           ) -> Tensor: # (b, num_tokens, d_model)
-    "The block of Generation, with packed documents and your mask or scores."
-    check_tokens(x, self.attn.d_in, self.attn.W_query.weight.dtype)
-    x = x + self.attn(self.norm1(x), cache=cache, document_ids=document_ids, **mods)
-    return x + self.mlp(self.norm2(x))                 # (b, num_tokens, d_model)
+def _document_positions_rule(
+    model:TinyGPT, # the model called
+    token_ids:Tensor, # (b, T)
+    caches:list|None, # must be None with documents
+    attn_inputs:dict, # the call's other inputs: document_ids, if any, and mods
+) -> Tensor|None: # (b, T): each document's positions from 0; None: no documents
+    "Packed documents: check them, restart the positions, share one mask per call."
+    document_ids = attn_inputs.get('document_ids')
+    if document_ids is None: return None
+    if caches is not None:
+        raise ValueError("document_ids cannot be combined with caches; "
+                         "generate each document on its own")
+    check_token_ids(token_ids, model.vocab_size, dims=(2,),
+                    device=model.token_emb.weight.device)
+    if not isinstance(document_ids, Tensor) or document_ids.shape != token_ids.shape:
+        got = (tuple(document_ids.shape) if isinstance(document_ids, Tensor)
+               else type(document_ids).__name__)
+        raise ValueError(f"document_ids must be an integer tensor shaped like "
+                         f"token_ids {tuple(token_ids.shape)}; got {got}")
+    positions = document_positions(document_ids)  # each starts again at 0
+    # the rows may be longer than the context: each document must fit
+    _check_fits(token_ids.shape[1], model.context_length, document_ids, positions)
+    attn_inputs['document_ids'] = _share_across_blocks(document_ids)  # one mask
+    return positions
 
-@patch
-def forward(self:TinyGPT,
-            token_ids:Tensor, # (b, num_tokens): all tokens, or only the new ones
-            caches:list|None=None, # from `new_caches`: token_ids are the new tokens
-            document_ids:Tensor|None=None, # int (b, T): packed documents, no cache
-            **mods, # mask_mod, score_mod, scale: for every block's attention
-           ) -> Tensor: # next-token logits, (b, num_tokens, vocab_size)
-    "Scores for the token that follows each position; packed documents apart."
-    if document_ids is None: self._check_call(token_ids, caches)
-    else:  # the rows may be longer than the context: each document must fit
-        if caches is not None:
-            raise ValueError("document_ids cannot be combined with caches; "
-                             "generate each document on its own")
-        check_token_ids(token_ids, self.vocab_size, dims=(2,),
-                        device=self.token_emb.weight.device)
-        if (not isinstance(document_ids, Tensor)
-                or document_ids.shape != token_ids.shape):
-            got = (tuple(document_ids.shape) if isinstance(document_ids, Tensor)
-                   else type(document_ids).__name__)
-            raise ValueError(f"document_ids must be an integer tensor shaped like "
-                             f"token_ids {tuple(token_ids.shape)}; got {got}")
-        positions = document_positions(document_ids)  # each starts again at 0
-        _check_fits(token_ids.shape[1], self.context_length, document_ids, positions)
-    num_new, device = token_ids.shape[1], token_ids.device
-    if caches is not None: positions = caches[0].positions(num_new, device)  # b|1,T
-    elif document_ids is None:  # (documents: their positions, found above)
-        positions = torch.arange(num_new, device=device)[None]          # (1, T)
-    x = self.token_emb(token_ids)                            # (b, T, d_model)
-    if self.pos_emb is not None: x = x + self.pos_emb(positions)
-    document_ids = _share_across_blocks(document_ids)  # one block mask for all
-    for i, block in enumerate(self.blocks):
-        x = block(x, None if caches is None else caches[i], document_ids, **mods)
-    return self.head(self.norm(x))                           # (b, T, vocab_size)
+TinyGPT._position_rules['documents'] = _document_positions_rule
 
 # %% ../nbs/10_masks.ipynb #2af85862
 def _check_lead(t, lead:tuple, name:str) -> None:

@@ -622,7 +622,7 @@ class Gemma(TinyGPT):
     def forward(self, token_ids:Tensor, caches:list|None=None,
                 document_ids:Tensor|None=None, **mods) -> Tensor: # (b, T, vocab_size)
         "TinyGPT's forward (mods: mask_mod, score_mod, scale), then the logits capped."
-        logits = super().forward(token_ids, caches, document_ids, **mods)
+        logits = super().forward(token_ids, caches, document_ids=document_ids, **mods)
         if self.final_softcap is None: return logits
         return soft_cap(logits, self.final_softcap)
 

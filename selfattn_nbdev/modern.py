@@ -331,17 +331,15 @@ def forward(self:MultiHeadAttention,
     return self._finish(queries, keys, values, allowed, return_attn_weights, unbatched)
 
 # %% ../nbs/09_modern.ipynb #a42a5fac
-@patch
-def update(self:KVCache,
-           keys:Tensor,   # the new tokens' keys, (b, kv_heads, num_tokens, head_dim)
-           values:Tensor, # their values, the same shape
-           module:nn.Module, # the attention module that calls: its window
-          ) -> tuple: # keys, values to attend to, and None: no mask of its own
-    "`append`; with a window, then forget what the next token can no longer see."
-    in_reach = self.append(keys, values)                 # (b, kv, kept + T, hd)
+def _forget_outside_window(
+    cache:KVCache, # after `append`: the new tokens are in it
+    module:nn.Module, # the attention module that calls: its window
+) -> None:
+    "With a window, forget what the next token can no longer see."
     if module.window is not None:  # the next token sees only the window - 1 before it
-        self._start = max(self._start, self._end - (module.window - 1))
-    return *in_reach, None
+        cache._start = max(cache._start, cache._end - (module.window - 1))
+
+KVCache._forget['window'] = _forget_outside_window  # update calls it after append
 
 # %% ../nbs/09_modern.ipynb #2b0f3c80
 @patch
@@ -422,31 +420,3 @@ def _allowed(self:StaticKVCache,
 def __len__(self:StaticKVCache) -> int:
     "The number of slots in use."
     return min(self.num_seen, self.capacity if self._keys is None else self.slots)
-
-# %% ../nbs/09_modern.ipynb #b44e3780
-@patch
-def __init__(self:TinyGPT,
-             vocab_size:int,     # number of distinct tokens
-             context_length:int, # the longest sequence: prompt and new tokens
-             d_model:int=64,     # the size of every token vector
-             num_heads:int=4,    # attention heads per block
-             num_layers:int=2,   # transformer blocks
-             num_kv_heads:int|None=None, # key/value heads (None: num_heads)
-             window:int|None=None, # each token sees only the window latest tokens
-             rope:bool=False, # rotary positions in attention, no pos_emb
-             **options, # more options of every block's MultiHeadAttention
-            ):
-    "The tiny GPT with GQA, a window or RoPE; with RoPE it needs no position table."
-    nn.Module.__init__(self)
-    check_size(vocab_size, 'vocab_size'); check_size(num_layers, 'num_layers')
-    check_size(d_model, 'd_model'); check_size(context_length, 'context_length')
-    self.vocab_size, self.context_length = vocab_size, context_length
-    self.token_emb = nn.Embedding(vocab_size, d_model)
-    # RoPE puts the positions into every attention score: no table to learn
-    self.pos_emb = None if rope else nn.Embedding(context_length, d_model)
-    options.update(num_kv_heads=num_kv_heads, window=window, rope=rope)
-    self.blocks = nn.ModuleList(
-        TransformerBlock(d_model, context_length, num_heads, **options)
-        for _ in range(num_layers))
-    self.norm = nn.LayerNorm(d_model)
-    self.head = nn.Linear(d_model, vocab_size)

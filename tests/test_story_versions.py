@@ -19,10 +19,10 @@ from selfattn_nbdev.multihead import MultiHeadAttention
 PAGES = ['multihead', 'generation', 'decoding', 'modern', 'masks']  # the reading order of the modules that grow
 GROWN = [(MultiHeadAttention, ['__init__', 'extra_repr', '_project', '_allowed', '_attend_explicit', '_attend_fused',
                                'forward']),
-         (TinyGPT, ['__init__', 'forward', 'new_caches']), (TransformerBlock, ['forward']),
-         (KVCache, ['update']), (StaticKVCache, ['_allocate', 'update', '_allowed', '__len__']),
+         (StaticKVCache, ['_allocate', 'update', '_allowed', '__len__']),
          (generation, ['generate_stream', 'generate'])]
-PARTS = [(MultiHeadAttention, '_position_rules'), (MultiHeadAttention, '_shown')]  # the parts later pages add
+PARTS = [(MultiHeadAttention, '_position_rules'), (MultiHeadAttention, '_shown'), (KVCache, '_forget'),
+         (TinyGPT, '_position_rules')]  # the parts later pages add
 
 
 def _page(f) -> int: return PAGES.index(f.__module__.rsplit('.', 1)[-1])

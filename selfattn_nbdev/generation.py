@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from .core import (check_count, check_flag, check_range, check_size,
                                  check_token_ids, check_tokens, patch)
 from .causal import check_context
-from .multihead import MultiHeadAttention
+from .multihead import MultiHeadAttention, _check_cache
 
 # %% ../nbs/06_generation.ipynb #e753034a
 def zen_of_python() -> str:
@@ -226,15 +226,6 @@ def _owner_token(
         module.__dict__['_cache_token'] = token
     return token
 
-def _check_cache(
-    cache, # what forward was given as cache
-) -> None:
-    "A cache keeps the protocol: check_new_tokens, positions, update."
-    if not all(callable(getattr(cache, n, None))
-               for n in ('check_new_tokens', 'positions', 'update')):
-        raise TypeError(f"cache must be a KVCache or StaticKVCache (or keep their "
-                        f"protocol: check_new_tokens, positions, update); got "
-                        f"{type(cache).__name__} {cache!r:.40}")
 
 # %% ../nbs/06_generation.ipynb #3bbb4b60
 class KVCache:
@@ -356,27 +347,6 @@ def append(self:KVCache,
     self.num_seen += new
     return self.keys, self.values                           # (b, h, len, hd)
 
-# %% ../nbs/06_generation.ipynb #384b88c2
-@patch
-def forward(self:MultiHeadAttention,
-            x:Tensor, # tokens, (num_tokens, d_in) or (batch, num_tokens, d_in)
-            key_padding_mask:Tensor|None=None, # bool, x.shape[:-1]; True = padding
-            return_attn_weights:bool=False, # explicit path; also return the weights
-            cache=None, # a KVCache: x holds only the new tokens
-           ) -> Tensor: # context vectors (..., num_tokens, d_out) [and the weights]
-    "Multi-head attention's `forward`, with a `cache`: `x` holds only the new tokens."
-    x, key_padding_mask, unbatched = self._inputs(x, key_padding_mask,
-                                                  return_attn_weights)
-    num_tokens = x.shape[1]
-    if cache is None: check_context(num_tokens, self.context_length)
-    else: _check_cache(cache); cache.check_new_tokens(x, key_padding_mask, self)
-    queries, keys, values = self._project(x)             # (b, heads, T, hd) each
-    allowed = (None if key_padding_mask is None else
-               self._allowed(num_tokens, num_tokens, key_padding_mask))
-    if cache is not None:  # the keys of every token so far, and the cache's mask
-        keys, values, allowed = cache.update(keys, values, self)
-    return self._finish(queries, keys, values, allowed, return_attn_weights, unbatched)
-
 # %% ../nbs/06_generation.ipynb #bd1e21c8
 @patch
 def forward(self:TinyGPT,
@@ -425,7 +395,7 @@ def _check_call(self:TinyGPT,
                          f"{seen + num_new}, more than context_length="
                          f"{self.context_length}")
 
-TinyGPT._position_rules = {}  # name: (model, token_ids, caches, attn_inputs) -> or None
+TinyGPT._call_parts = {}  # name: (model, token_ids, caches, attn_inputs) -> positions
 
 @patch
 def _positions(self:TinyGPT,
@@ -433,10 +403,10 @@ def _positions(self:TinyGPT,
                caches:list|None, # one per block, or None
                attn_inputs:dict, # the rest of the call: a later page's rule reads it
               ) -> Tensor: # (b | 1, num_tokens): the position of each token
-    "The first answer of a later page's rule; else 0, 1, ... or after the cached ones."
-    for rule in self._position_rules.values():
-        positions = rule(self, token_ids, caches, attn_inputs)
-        if positions is not None: return positions
+    "A later page's part's answer, if it has one; else 0, 1, ... or after the cache."
+    for part in self._call_parts.values():
+        positions = part(self, token_ids, caches, attn_inputs)
+        if positions is not NotImplemented: return positions
     self._check_call(token_ids, caches)
     num_new, device = token_ids.shape[1], token_ids.device
     return (torch.arange(num_new, device=device)[None] if caches is None

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .core import check_flag, check_size, check_token_ids, patch
-from .generation import TinyGPT, _check_cache
+from .generation import TinyGPT
+from .multihead import _check_cache
 from .decoding import project
 from .recent import (RESCALINGS, LlamaAttention, _turn_first,
                                    check_rope_scaling, layer_windows, soft_cap)

@@ -28,8 +28,8 @@ from torch import Tensor
 from .core import (_forget_old_main, check_count, check_size,
                                  check_token_ids, check_tokens, patch)
 from .causal import check_context
-from .multihead import MultiHeadAttention
-from .generation import TinyGPT, TransformerBlock, _check_cache
+from .multihead import MultiHeadAttention, _check_scale
+from .generation import TinyGPT, TransformerBlock
 from .decoding import _limit_name, _runs_in_rows
 from .modern import repeat_kv
 
@@ -541,23 +541,27 @@ def _mask_mod(self:MultiHeadAttention,
     if document_ids is not None: mods.append(documents(document_ids))
     return and_masks(*mods) if mods else None
 
-@patch
-def _allowed(self:MultiHeadAttention,
-             num_tokens:int, # queries: the last num_tokens of the num_keys positions
-             num_keys:int,   # keys
-             key_padding_mask:Tensor|None=None, # bool (b, num_keys), True = padding
-             document_ids:Tensor|None=None, # int (b, num_keys): packed documents
-             mask_mod:Callable|None=None, # the caller's: see _mask_mod
-             batch:int=1, # rows a mask_mod of the caller's is asked about
-            ) -> Tensor|None: # bool (b | 1, heads | 1, T, num_keys), True = attend
-    "Where each query may attend: the module's predicate, asked about every pair."
-    predicate = self._mask_mod(key_padding_mask, document_ids, mask_mod)
-    if predicate is None: return None
-    rows = [t.shape[0] for t in (key_padding_mask, document_ids) if t is not None]
-    rows = batch if mask_mod is not None else (rows or [1])[0]
-    heads = 1 if mask_mod is None else self.num_heads  # yours may read h: each head
-    return dense_mask(predicate, num_tokens, num_keys, rows, heads,  # (a mask that
-                      device=self.W_query.weight.device)  # does not: broadcast, 1)
+def _documents_rule(m:MultiHeadAttention, num_tokens:int, num_keys:int, batch:int,
+                    mask_inputs:dict) -> Callable|None: # allowed -> allowed; or None
+    "Packed documents: a query sees only the keys of its own document."
+    document_ids = mask_inputs.get('document_ids')
+    if document_ids is None: return None
+    same = dense_mask(documents(document_ids), num_tokens, num_keys,  # (b, 1, T, S)
+                      document_ids.shape[0], device=m.W_query.weight.device)
+    return lambda allowed: same if allowed is None else allowed & same
+
+def _mask_mod_rule(m:MultiHeadAttention, num_tokens:int, num_keys:int, batch:int,
+                   mask_inputs:dict) -> Callable|None: # allowed -> allowed; or None
+    "A caller's mask_mod, asked about every query head, in place of causal or window."
+    mask_mod = mask_inputs.get('mask_mod')
+    if mask_mod is None: return None
+    yours = dense_mask(mask_mod, num_tokens, num_keys, batch, m.num_heads,  # (b, h,
+                       device=m.W_query.weight.device)                      #  T, S)
+    return lambda allowed: yours  # the module's causal or window mask: not asked
+
+# after the window: a mask_mod takes the place of causal and window; documents join
+MultiHeadAttention._mask_rules['mask_mod'] = _mask_mod_rule
+MultiHeadAttention._mask_rules['documents'] = _documents_rule
 
 # %% ../nbs/10_masks.ipynb #sc0re002
 def _tile_index(
@@ -578,38 +582,18 @@ def _score_mod(self:MultiHeadAttention,
     "The score function of a call: the caller's (a later module adds its own)."
     return score_mod
 
-@patch
-def _scale(self:MultiHeadAttention) -> float: # c in softmax(c q·k)
-    "The scale of the scores: 1/sqrt(head_dim), what every kernel applies."
-    return 1 / math.sqrt(self.head_dim)
+def _score_rule(
+    m:MultiHeadAttention, # the module: its _score_mod
+    attn_scores:Tensor, # the scaled scores, (b, heads, T, S)
+    score_inputs:dict, # the call's inputs: score_mod, if any
+) -> Tensor: # the scores, changed by the call's score function, if there is one
+    "The call's score function on every score, as FlexAttention gives it the indices."
+    score_mod = m._score_mod(score_inputs.get('score_mod'))
+    if score_mod is None: return attn_scores
+    T, S = attn_scores.shape[-2:]  # the queries are the last T of the S positions
+    return score_mod(attn_scores, *_tile_index(attn_scores, S - T, 0))
 
-@patch
-def _softmax(self:MultiHeadAttention, attn_scores:Tensor) -> Tensor: # (..., T, S)
-    "Softmax over the keys; a query with no key at all gets zeros."
-    return torch.softmax(attn_scores, dim=-1).nan_to_num(0.0)
-
-@patch
-def _attend_explicit(self:MultiHeadAttention,
-                     queries:Tensor, # (b, num_heads, num_tokens, head_dim)
-                     keys:Tensor,    # (b, num_kv_heads, num_keys, head_dim)
-                     values:Tensor,  # (b, num_kv_heads, num_keys, head_dim)
-                     allowed:Tensor|None=None, # (b | 1, 1, T, keys); None: _allowed
-                     score_mod:Callable|None=None, # the caller's: see _score_mod
-                    ) -> tuple: # context (b, heads, T, hd), weights (b, heads, T, keys)
-    "Scores, scaled, changed by the score function, masked; softmax, dropout, sum."
-    group_size = self.num_heads // self.num_kv_heads  # GQA: kv head g serves a group
-    keys, values = repeat_kv(keys, group_size), repeat_kv(values, group_size)
-    (T, S), score_mod = (queries.shape[2], keys.shape[2]), self._score_mod(score_mod)
-    if allowed is None: allowed = self._allowed(T, S)
-    half = queries.dtype in (torch.float16, torch.bfloat16)  # scores in float32 then,
-    work = torch.float32 if half else queries.dtype          # as SDPA's kernels do
-    attn_scores = (queries.to(work) @ keys.to(work).transpose(2, 3)  # (b, h, T, S)
-                   / math.sqrt(self.head_dim))
-    if score_mod is not None:  # the queries are the last T of the S positions
-        attn_scores = score_mod(attn_scores, *_tile_index(attn_scores, S - T, 0))
-    if allowed is not None: attn_scores = attn_scores.masked_fill(~allowed, -torch.inf)
-    attn_weights = self.dropout(self._softmax(attn_scores)).to(values.dtype)
-    return attn_weights @ values, attn_weights           # (b, heads, T, head_dim)
+MultiHeadAttention._score_rules['score_mod'] = _score_rule  # the explicit path
 
 # %% ../nbs/10_masks.ipynb #fa1e9496
 _varlen = {'last': ((), None, None)}  # the runs of the last shared copies
@@ -720,8 +704,10 @@ def _attend_unfused(self:MultiHeadAttention, queries, keys, values, # (b, h|kv, 
         _say_once(('explicit', 'dropout'), f"attention took the 'explicit' path: a "
                   f"score function with dropout goes to no fused kernel, so the scores "
                   f"of {T} x {S} pairs per head are held in memory")
-    allowed = self._allowed(T, S, key_padding_mask, document_ids, mask_mod, b)
-    return self._attend_explicit(queries, keys, values, allowed, score_mod)[0]
+    allowed = self._allowed(T, S, key_padding_mask, b, document_ids=document_ids,
+                            mask_mod=mask_mod)
+    return self._attend_explicit(queries, keys, values, allowed,
+                                 score_mod=score_mod)[0]
 
 # %% ../nbs/10_masks.ipynb #d15patch
 @patch
@@ -771,8 +757,8 @@ def _attend_masked(self:MultiHeadAttention,
         return self._attend_unfused(queries, keys, values, key_padding_mask,
                                     document_ids, mask_mod, score_mod, choice)
     if scored: _refuse_kernel(choice, "SDPA takes no score function")
-    allowed = self._allowed(T, T, key_padding_mask, document_ids, mask_mod,
-                            queries.shape[0])
+    allowed = self._allowed(T, T, key_padding_mask, queries.shape[0],
+                            document_ids=document_ids, mask_mod=mask_mod)
     return self._attend_fused(queries, keys, values, allowed)  # SDPA, the dense mask
 
 # %% ../nbs/10_masks.ipynb #e3f2a6f4
@@ -792,76 +778,58 @@ def _check_fits(
                          f"was built with context_length={context_length}")
 
 def _check_mods(mask_mod, score_mod, scale, cache) -> None:
-    "Functions or None; a scale > 0 or None; a mask or score function, no cache."
+    "Functions or None; a finite scale or None; a mask or score function, no cache."
     for f, name, form in [(mask_mod, 'mask_mod', '(b, h, q_idx, kv_idx) -> bool'),
                           (score_mod, 'score_mod', '(score, b, h, q_idx, kv_idx)')]:
         if f is not None and not callable(f):
             raise TypeError(f"{name} must be None or a function {form}; "
                             f"got {type(f).__name__}")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(
-            scale, numbers.Real) or not math.isfinite(scale)):
-        raise ValueError(f"scale must be None or a finite number; got {scale!r}")
+    _check_scale(scale)
     if cache is not None and (mask_mod is not None or score_mod is not None):
         raise ValueError("mask_mod and score_mod apply to whole sequences (training, "
                          "scoring); with a cache, the cache's own mask holds: call "
                          "without them, or without the cache")
 
-@patch
-def forward(self:MultiHeadAttention,
-            x:Tensor, # tokens, (num_tokens, d_in) or (batch, num_tokens, d_in)
-            key_padding_mask:Tensor|None=None, # bool, x.shape[:-1]; True = padding
-            return_attn_weights:bool=False, # explicit path; also return the weights
-            cache=None, # a KVCache or StaticKVCache: x holds only the new tokens
-            document_ids:Tensor|None=None, # int, x.shape[:-1]: packed documents
-            mask_mod:Callable|None=None, # (b, h, q_idx, kv_idx) -> bool: not causal
-            score_mod:Callable|None=None, # (score, b, h, q_idx, kv_idx) -> score
-            scale:float|None=None, # c in softmax(c q·k); None: the module's
-           ) -> Tensor: # context vectors (..., num_tokens, d_out) [and the weights]
-    "Project `x`, split into heads, attend, merge the heads, mix them (`out_proj`)."
-    _check_document_ids(document_ids, x); _check_mods(mask_mod, score_mod, scale, cache)
-    if document_ids is not None and x.dim() == 2: document_ids = document_ids[None]
-    x, key_padding_mask, unbatched = self._inputs(x, key_padding_mask,
-                                                  return_attn_weights)
-    (b, num_tokens), allowed = x.shape[:2], None
+def _masks_part(
+    m:MultiHeadAttention, # the module called
+    x:Tensor, # its input, (T, d_in) or (b, T, d_in): not yet given a batch axis
+    key_padding_mask:Tensor|None, cache, # the call's
+    mask_inputs:dict, # document_ids, mask_mod, score_mod: checked, ids given a batch
+) -> Tensor|None: # RoPE's positions, (b, T), or None; NotImplemented: no documents
+    "Check this page's inputs; with documents, the context per document, positions."
+    document_ids = mask_inputs.get('document_ids')
+    _check_document_ids(document_ids, x)
+    _check_mods(mask_inputs.get('mask_mod'), mask_inputs.get('score_mod'), None,
+                cache)  # (forward checked the scale)
+    if document_ids is None: return NotImplemented  # forward checks the rest
     if cache is not None:
-        _check_cache(cache); cache.check_new_tokens(x, key_padding_mask, self)
-    elif not getattr(document_ids, '_shared_across_blocks', False):  # model: checked
-        _check_fits(num_tokens, self.context_length, document_ids)
-    if cache is not None and document_ids is not None:
         raise ValueError("document_ids cannot be combined with a cache; "
                          "generate each document on its own")
-    positions = None  # RoPE's positions: 0 .. T - 1 unless a cache or documents say
-    if cache is not None: positions = cache.positions(num_tokens, x.device)
-    elif self.rope and document_ids is not None:  # each document starts again at 0
-        positions = document_positions(document_ids)                  # (b, T)
-    queries, keys, values = self._project(x, positions)  # (b, heads | kv, T, hd)
-    if scale is not None: queries = queries * (scale / self._scale())  # c, not c0
-    if cache is not None:  # the keys in reach, and the cache's own mask
-        keys, values, allowed = cache.update(keys, values, self)
-    if return_attn_weights:  # the explicit path, and its weights
-        if cache is None: allowed = self._allowed(num_tokens, num_tokens,
-                                                  key_padding_mask, document_ids,
-                                                  mask_mod, b)
-        context, weights = self._attend_explicit(queries, keys, values, allowed,
-                                                 score_mod)
-    elif cache is not None:  # fused; a cache's mask leaves each query a key
-        context = self._attend_fused(queries, keys, values, allowed, every_row=True)
-    else: context = self._attend_masked(queries, keys, values, key_padding_mask,
-                                        document_ids, mask_mod, score_mod)
-    out = self.out_proj(self._merge_heads(context))          # (b, T, d_out)
-    if return_attn_weights: return (out[0], weights[0]) if unbatched else (out, weights)
-    return out[0] if unbatched else out
+    if x.dim() == 2: mask_inputs['document_ids'] = document_ids = document_ids[None]
+    if not getattr(document_ids, '_shared_across_blocks', False):  # model: checked
+        _check_fits(document_ids.shape[1], m.context_length, document_ids)
+    # with RoPE each document starts again at 0; without, positions are not read
+    return document_positions(document_ids) if m.rope else None
+
+def _choose_kernel(m:MultiHeadAttention, queries, keys, values, key_padding_mask,
+                   mask_inputs:dict) -> Tensor: # context, (b, heads, T, head_dim)
+    "A whole sequence: `_attend_masked`'s one choice, for the mask and the scores."
+    return m._attend_masked(queries, keys, values, key_padding_mask, **mask_inputs)
+
+MultiHeadAttention._call_parts['masks'] = (('document_ids', 'mask_mod', 'score_mod'),
+                                           _masks_part)  # _inputs asks it
+MultiHeadAttention._kernel_choices['masks'] = _choose_kernel  # _finish's fused path
 
 # %% ../nbs/10_masks.ipynb #15ed15b8
-def _document_positions_rule(
+def _documents_call_part(
     model:TinyGPT, # the model called
     token_ids:Tensor, # (b, T)
     caches:list|None, # must be None with documents
     attn_inputs:dict, # the call's other inputs: document_ids, if any, and mods
-) -> Tensor|None: # (b, T): each document's positions from 0; None: no documents
+) -> Tensor: # (b, T): each document's positions from 0; NotImplemented: none
     "Packed documents: check them, restart the positions, share one mask per call."
     document_ids = attn_inputs.get('document_ids')
-    if document_ids is None: return None
+    if document_ids is None: return NotImplemented
     if caches is not None:
         raise ValueError("document_ids cannot be combined with caches; "
                          "generate each document on its own")
@@ -878,7 +846,7 @@ def _document_positions_rule(
     attn_inputs['document_ids'] = _share_across_blocks(document_ids)  # one mask
     return positions
 
-TinyGPT._position_rules['documents'] = _document_positions_rule
+TinyGPT._call_parts['documents'] = _documents_call_part
 
 # %% ../nbs/10_masks.ipynb #2af85862
 def _check_lead(t, lead:tuple, name:str) -> None:

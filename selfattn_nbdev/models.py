@@ -23,8 +23,8 @@ from torch import Tensor, nn
 
 from .core import check_size, check_tokens
 from .causal import causal_mask, check_context, check_dropout
-from .multihead import MultiHeadAttention
-from .generation import TinyGPT, TransformerBlock, _check_cache
+from .multihead import MultiHeadAttention, _check_cache
+from .generation import TinyGPT, TransformerBlock
 from .decoding import project
 from .masks import (_check_mods, _refuse_kernel, block_mask, causal,
                                   dense_mask)

@@ -9,6 +9,7 @@ __all__ = ['repeat_kv', 'check_kv_heads', 'window_mask', 'check_window', 'rope_a
 import math
 import numbers
 import weakref
+from typing import Callable
 from functools import partial
 
 import torch
@@ -18,7 +19,7 @@ from torch import Tensor, nn
 from .core import check_count, check_flag, check_range, check_size, patch
 from .causal import check_context, check_dropout, causal_mask
 from .multihead import MultiHeadAttention, check_heads
-from .generation import KVCache, TinyGPT, TransformerBlock, _check_cache
+from .generation import KVCache, TinyGPT, TransformerBlock
 from .decoding import StaticKVCache
 
 # %% ../nbs/09_modern.ipynb #bad67fae
@@ -143,41 +144,21 @@ def check_rope(
                          f"(d_out // num_heads) must be even; got {head_dim}")
 
 # %% ../nbs/09_modern.ipynb #9c3259bb
-@patch
-def __init__(self:MultiHeadAttention,
-             d_in:int,  # size of each input token embedding
-             d_out:int, # size of the output; each head gets d_out // num_heads
-             context_length:int, # the longest sequence the module accepts
-             dropout:float=0.0,  # probability of dropping a weight in training
-             num_heads:int=1,    # number of heads; must divide d_out
-             qkv_bias:bool=False, # learned biases in W_query, W_key, W_value
-             causal:bool=True,    # hide the future: token i sees tokens 1..i only
-             num_kv_heads:int|None=None, # key/value heads (None: num_heads; 1: MQA)
-             window:int|None=None, # causal only: see just the window latest tokens
-             rope:bool=False, # rotary position embeddings on queries and keys
-             rope_base:float=10000.0, # RoPE's wavelength scale
-             out_bias:bool=True, # a learned bias in out_proj (Llama's has none)
-            ):
-    "Multi-head attention with three more options: GQA, a window, RoPE."
-    nn.Module.__init__(self)
-    check_size(d_in, 'd_in'); check_size(d_out, 'd_out')
-    check_size(context_length, 'context_length'); check_heads(d_out, num_heads)
-    check_dropout(dropout)
-    for name, flag in [('qkv_bias', qkv_bias), ('causal', causal),
-                       ('out_bias', out_bias)]: check_flag(flag, name)
-    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-    check_kv_heads(num_heads, num_kv_heads)
-    check_window(window, causal); check_rope(rope, rope_base, d_out // num_heads)
-    self.d_in, self.d_out, self.context_length = d_in, d_out, context_length
-    self.num_heads, self.head_dim = int(num_heads), d_out // num_heads
-    self.num_kv_heads, self.causal, self.window = int(num_kv_heads), causal, window
-    self.rope, self.rope_base, self._rope_cache = rope, rope_base, None
-    kv_dim = self.num_kv_heads * self.head_dim   # d_out unless the heads share keys
-    self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
-    self.W_key = nn.Linear(d_in, kv_dim, bias=qkv_bias)
-    self.W_value = nn.Linear(d_in, kv_dim, bias=qkv_bias)
-    self.out_proj = nn.Linear(d_out, d_out, bias=out_bias)
-    self.dropout = nn.Dropout(dropout)
+def _modern_options(
+    m:MultiHeadAttention, # the module being built: its heads, head_dim, causal
+    options:dict, # what __init__ got beyond its own arguments: this part pops its own
+) -> dict: # the settings: num_kv_heads, window, rope, rope_base
+    "GQA's key/value heads, a window, RoPE: popped from `options`, checked, returned."
+    num_kv_heads = options.pop('num_kv_heads', None)  # None: one per query head
+    window, rope = options.pop('window', None), options.pop('rope', False)
+    rope_base = options.pop('rope_base', 10000.0)
+    num_kv_heads = m.num_heads if num_kv_heads is None else num_kv_heads
+    check_kv_heads(m.num_heads, num_kv_heads)
+    check_window(window, m.causal); check_rope(rope, rope_base, m.head_dim)
+    return dict(num_kv_heads=int(num_kv_heads), window=window, rope=rope,
+                rope_base=rope_base, _rope_cache=None)
+
+MultiHeadAttention._options['modern'] = _modern_options  # __init__ asks it
 
 # %% ../nbs/09_modern.ipynb #9f560aa0
 def _options_shown(m:MultiHeadAttention) -> list: # "option=value", not the defaults
@@ -193,68 +174,19 @@ MultiHeadAttention._shown['options'] = _options_shown  # printed after the sizes
 MultiHeadAttention._settings = tuple(dict.fromkeys(  # in order, each once
     MultiHeadAttention._settings + ('num_kv_heads', 'window', 'rope', 'rope_base')))
 
-# %% ../nbs/09_modern.ipynb #dd304562
-@patch
-def _attend_explicit(self:MultiHeadAttention,
-                     queries:Tensor, # (b, num_heads, num_tokens, head_dim)
-                     keys:Tensor,    # (b, num_kv_heads, num_keys, head_dim)
-                     values:Tensor,  # (b, num_kv_heads, num_keys, head_dim)
-                     allowed:Tensor|None=None, # (b | 1, 1, T, keys); None: _allowed
-                    ) -> tuple: # context (b, heads, T, hd), weights (b, heads, T, keys)
-    "Scores, mask, softmax, dropout, weighted sum: all heads at once, step by step."
-    group_size = self.num_heads // self.num_kv_heads  # GQA: kv head g serves a group
-    keys, values = repeat_kv(keys, group_size), repeat_kv(values, group_size)
-    if allowed is None: allowed = self._allowed(queries.shape[2], keys.shape[2])
-    half = queries.dtype in (torch.float16, torch.bfloat16)  # scores in float32 then,
-    work = torch.float32 if half else queries.dtype          # as SDPA's kernels do
-    attn_scores = queries.to(work) @ keys.to(work).transpose(2, 3)  # (b, h, T, keys)
-    if allowed is not None: attn_scores = attn_scores.masked_fill(~allowed, -torch.inf)
-    attn_weights = torch.softmax(attn_scores / math.sqrt(self.head_dim), dim=-1)
-    attn_weights = attn_weights.nan_to_num(0.0)  # a query with no key at all: zeros
-    attn_weights = self.dropout(attn_weights).to(values.dtype)
-    return attn_weights @ values, attn_weights           # (b, heads, T, head_dim)
-
-# %% ../nbs/09_modern.ipynb #9c86d34e
-@patch
-def _attend_fused(self:MultiHeadAttention,
-                  queries:Tensor, # (b, num_heads, num_tokens, head_dim)
-                  keys:Tensor,    # (b, num_kv_heads, num_keys, head_dim)
-                  values:Tensor,  # (b, num_kv_heads, num_keys, head_dim)
-                  allowed:Tensor|None=None, # (b | 1, 1, T, keys); None: _allowed
-                  every_row:bool=False, # each query sees a key (a cache's mask)
-                 ) -> Tensor: # context, (b, num_heads, num_tokens, head_dim)
-    "The same in one call of PyTorch's fused kernel, which returns no weights."
-    dropout_p = self.dropout.p if self.training else 0.0
-    kernel = partial(F.scaled_dot_product_attention, dropout_p=dropout_p,
-                     enable_gqa=self.num_kv_heads != self.num_heads)  # repeats k, v
-    num_tokens, num_keys = queries.shape[2], keys.shape[2]
-    plain = self.window is None or num_keys <= self.window  # every key within reach
-    last = num_tokens == 1  # one query, the last position: every key is its past
-    unmasked = not self.causal or num_tokens == num_keys or last
-    if allowed is None and plain and unmasked:
-        return kernel(queries, keys, values, is_causal=self.causal and not last)
-    if allowed is None: allowed = self._allowed(num_tokens, num_keys)
-    if every_row: return kernel(queries, keys, values, attn_mask=allowed)  # no check
-    dead = ~allowed.any(-1, keepdim=True)     # (b, 1, T, 1): a query with no key
-    context = kernel(queries, keys, values, attn_mask=allowed | dead)  # True = attend
-    return context.masked_fill(dead, 0.0)
-
 # %% ../nbs/09_modern.ipynb #7d3e8c0e
-@patch
-def _allowed(self:MultiHeadAttention,
-             num_tokens:int, # queries: the last num_tokens of the num_keys positions
-             num_keys:int,   # keys
-             key_padding_mask:Tensor|None=None, # bool (b, num_keys), True = padding
-            ) -> Tensor|None: # bool (b | 1, 1, T, num_keys), True = attend; or None
-    "Where each query may attend: its window (or its past), not the padding."
-    device, allowed = self.W_query.weight.device, None
-    if self.window is not None:  # (T, keys): the window latest tokens, itself included
-        allowed = ~window_mask(num_tokens, self.window, device, num_keys)
-    elif self.causal: allowed = ~causal_mask(num_tokens, device, num_keys)
-    if key_padding_mask is not None:
-        real = ~key_padding_mask[:, None, None, :]                  # (b, 1, 1, keys)
-        allowed = real if allowed is None else allowed & real       # (b, 1, T, keys)
-    return allowed
+def _window_rule(
+    m:MultiHeadAttention, # the module: its window
+    num_tokens:int, # queries: the last num_tokens of the num_keys positions
+    num_keys:int, # keys
+    batch:int, mask_inputs:dict, # not read: the window is the module's own
+) -> Callable|None: # allowed -> allowed within the window; None: nothing to hide
+    "With a window and more keys than it holds, hide the keys beyond it."
+    if m.window is None or num_keys <= m.window: return None
+    inside = ~window_mask(num_tokens, m.window, m.W_query.weight.device, num_keys)
+    return lambda allowed: inside if allowed is None else allowed & inside  # (T, S)
+
+MultiHeadAttention._mask_rules['window'] = _window_rule  # _allowed applies it
 
 # %% ../nbs/09_modern.ipynb #a0984706
 _TABLES = weakref.WeakValueDictionary()  # cos, sin by key, while a module holds them
@@ -306,29 +238,6 @@ def _rope_rule(m:MultiHeadAttention, # the module: its rope, context_length, tab
     return rope_rotate(queries, cos, sin), rope_rotate(keys, cos, sin)
 
 MultiHeadAttention._position_rules['rope'] = _rope_rule  # _project applies it
-
-# %% ../nbs/09_modern.ipynb #f74cb0da
-@patch
-def forward(self:MultiHeadAttention,
-            x:Tensor, # tokens, (num_tokens, d_in) or (batch, num_tokens, d_in)
-            key_padding_mask:Tensor|None=None, # bool, x.shape[:-1]; True = padding
-            return_attn_weights:bool=False, # explicit path; also return the weights
-            cache=None, # a KVCache or StaticKVCache: x holds only the new tokens
-           ) -> Tensor: # context vectors (..., num_tokens, d_out) [and the weights]
-    "`forward` with a cache, and RoPE at the places the cache gives the new tokens."
-    x, key_padding_mask, unbatched = self._inputs(x, key_padding_mask,
-                                                  return_attn_weights)
-    num_tokens = x.shape[1]
-    if cache is None: check_context(num_tokens, self.context_length)
-    else: _check_cache(cache); cache.check_new_tokens(x, key_padding_mask, self)
-    positions = None if cache is None else cache.positions(num_tokens, x.device)
-    queries, keys, values = self._project(x, positions)  # (b, heads | kv, T, hd)
-    masked = key_padding_mask is not None or self.window is not None
-    allowed = (self._allowed(num_tokens, num_tokens, key_padding_mask) if masked
-               else None)  # None: causal, or nothing
-    if cache is not None:  # the keys in reach, and the cache's own mask
-        keys, values, allowed = cache.update(keys, values, self)
-    return self._finish(queries, keys, values, allowed, return_attn_weights, unbatched)
 
 # %% ../nbs/09_modern.ipynb #a42a5fac
 def _forget_outside_window(

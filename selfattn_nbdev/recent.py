@@ -364,7 +364,8 @@ def _attend_sunk(self:LlamaAttention, queries, keys, values, key_padding_mask=No
     (b, _, T, hd), kv, S = queries.shape, self.num_kv_heads, keys.shape[2]
     if self._sinks_by_sdpa(queries, score_mod):  # a GPU: one more key, SDPA's kernels
         if allowed is None:
-            allowed = self._allowed(T, S, key_padding_mask, document_ids, mask_mod, b)
+            allowed = self._allowed(T, S, key_padding_mask, b,
+                                    document_ids=document_ids, mask_mod=mask_mod)
         if allowed is None: allowed = queries.new_ones(T, S, dtype=torch.bool)  # all
         return sinks_by_sdpa(queries, keys, values, self.sinks, allowed)
     group = self.num_heads // kv
@@ -456,9 +457,10 @@ def _attend_masked(self:LlamaAttention, queries, keys, values, key_padding_mask=
         return self._attend_sunk(queries, keys, values, key_padding_mask, document_ids,
                                  mask_mod=mask_mod, score_mod=score_mod)
     T = queries.shape[2]
-    allowed = self._allowed(T, T, key_padding_mask, document_ids, mask_mod,
-                            queries.shape[0])
-    return self._attend_explicit(queries, keys, values, allowed, score_mod)[0]
+    allowed = self._allowed(T, T, key_padding_mask, queries.shape[0],
+                            document_ids=document_ids, mask_mod=mask_mod)
+    return self._attend_explicit(queries, keys, values, allowed,
+                                 score_mod=score_mod)[0]
 
 # %% ../nbs/12_recent.ipynb #0f8ffeb7
 LAYER_TYPES = ("full_attention", "sliding_attention")

@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from selfattn_nbdev.generation import TinyGPT, generate  # noqa: E402
+from selfattn_nbdev.generation import TinyGPT  # noqa: E402
+from selfattn_nbdev.decoding import generate  # noqa: E402
 
 CONFIG = dict(vocab_size=64, context_length=320, d_model=64, num_heads=4, num_layers=2)
 PROMPT, NEW_TOKENS, BATCHES, REPS = 32, 256, (1, 8), 2

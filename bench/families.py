@@ -32,7 +32,7 @@ from transformers.utils import logging as hf_logging
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from selfattn_nbdev.generation import generate  # noqa: E402
+from selfattn_nbdev.decoding import generate  # noqa: E402
 from selfattn_nbdev.pretrained import from_hf  # noqa: E402
 from bench.benchmark import cpu_model  # noqa: E402
 

@@ -18,7 +18,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from selfattn_nbdev import KVCache, MultiHeadAttention  # noqa: E402
-from selfattn_nbdev.generation import CharTokenizer, TinyGPT, generate, train_tiny_gpt, zen_of_python  # noqa: E402
+from selfattn_nbdev.generation import CharTokenizer, TinyGPT, train_tiny_gpt, zen_of_python  # noqa: E402
+from selfattn_nbdev.decoding import generate  # noqa: E402
 
 VARIANTS = {'baseline': {}, 'GQA, 2 kv heads': dict(num_kv_heads=2), 'window 16': dict(window=16),
             'RoPE': dict(rope=True),

@@ -25,8 +25,8 @@ from .causal import (check_dropout, check_context, causal_mask,
                                    CausalAttention, leaks_future)
 from .multihead import (check_heads, MultiHeadAttentionWrapper,
                                       MultiHeadAttention, to_torch_multihead)
-from .generation import KVCache, TinyGPT, sample_next
-from .decoding import StaticKVCache, generate, generate_stream
+from .generation import KVCache, TinyGPT
+from .decoding import StaticKVCache, generate, generate_stream, sample_next
 from .modern import repeat_kv, window_mask, rope_angles, apply_rope
 from .masks import (and_masks, attention_kernel, causal, dense_mask,
                                   documents, key_padding, or_masks, sliding_window)

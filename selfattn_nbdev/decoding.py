@@ -15,12 +15,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .core import (_forget_old_main, check_flag, check_range, check_size,
-                                 check_token_ids, patch, replaces)
+                                 check_token_ids, patch)
 from . import generation
 from .multihead import MultiHeadAttention
 from .generation import (KVCache, TinyGPT, _check_generation, _decode,
-                                       _check_sampling, _signature_with, _stop_ids,
-                                       sample_next, truncated_logits)
+                                       _check_sampling, _draw, _signature_with,
+                                       _stop_ids, truncated_logits)
 
 # %% ../nbs/07_batches.ipynb #f1a894cd
 DECODE_MIN_BOUND = 256  # the fewest columns a compiled decode step attends to
@@ -61,6 +61,18 @@ class StaticKVCache:
     def __len__(self) -> int:
         "The number of columns written."
         return min(self.num_seen, self.capacity)
+
+    _kinds = {}  # name: (cache, module) -> the subclass the module needs, or None
+
+    def _becomes(self,
+                 module:nn.Module, # the attention module of the first update
+                ) -> bool: # True: the cache is now of another kind (call update again)
+        "Become the kind a later page's rule asks for (a ring for a window), or this."
+        kinds = [rule(self, module) for rule in self._kinds.values()]
+        kind = next((k for k in kinds if k is not None), StaticKVCache)
+        if kind is type(self): return False
+        self.__class__ = kind  # as torch.nn.utils.parametrize re-classes a module
+        return True
 
     def _allocate(self,
                   keys:Tensor, # the first keys it is given, (b, heads, T, head_dim)
@@ -121,7 +133,9 @@ class StaticKVCache:
                module:nn.Module, # the attention module that calls
               ) -> tuple: # the written columns' keys, values (b, h, end, hd); allowed
         "Write the new tokens in place at columns `step ...`; return what they may see."
-        if self._keys is None: self._allocate(keys)
+        if self._keys is None:  # the first keys: storage of the kind the module needs
+            if self._becomes(module): return self.update(keys, values, module)
+            self._allocate(keys)
         num_new = keys.shape[2]
         if not torch.compiler.is_compiling(): self.num_seen += num_new
         columns = self.step + torch.arange(num_new, device=keys.device)  # (T,)
@@ -279,13 +293,14 @@ def project(
 
 MultiHeadAttention.stacked_linears = (('W_query', 'W_key', 'W_value'),)  # see stacked
 
-@patch
-def _qkv(self:MultiHeadAttention,
-         x:Tensor, # tokens, (b, num_tokens, d_in)
-        ) -> list: # queries (b, heads, T, hd); keys, values (b, kv_heads, T, hd)
-    "Queries, keys and values of every token in heads; one product when stacked."
-    qkv = project(x, self.W_query, self.W_key, self.W_value)  # (b, T, width) each
-    return [self._split_heads(t) for t in qkv]                  # (b, h, T, hd) each
+def _stacked_product(
+    x:Tensor, # tokens, (b, num_tokens, d_in)
+    linears:tuple, # W_query, W_key, W_value
+) -> list: # their outputs, (b, num_tokens, width) each: `project`'s
+    "The three projections by `project`: one product when the weights are stacked."
+    return project(x, *linears)
+
+MultiHeadAttention._products['stacked'] = _stacked_product  # _qkv asks it
 
 # %% ../nbs/07_batches.ipynb #5908e3aa
 def _batch_prompts(
@@ -357,7 +372,6 @@ def keep_min_p(
     return logits.masked_fill(gap < temperature * math.log(min_p), -torch.inf)
 
 # %% ../nbs/07_batches.ipynb #4b9b323b
-@replaces(generation)
 def sample_next(
     logits:Tensor, # the next-token scores of each row, (b, vocab_size)
     temperature:float=0.0, # 0: the most likely token; else sample softmax(logits / t)
@@ -378,11 +392,11 @@ def sample_next(
             raise ValueError(f"repetition_penalty needs seen, a bool tensor of the "
                              f"logits' shape (b, vocab_size); got {got}")
         logits = penalize_repeats(logits, seen, repetition_penalty)
-    if min_p is None or temperature == 0:
-        return sample_next.replaced(logits, temperature, top_k, top_p, generator)
     _check_sampling(temperature, top_k, top_p, logits, generator)
+    if temperature == 0: return logits.argmax(-1)
     kept = truncated_logits(logits, temperature, top_k, top_p)  # tempered already:
-    return sample_next.replaced(keep_min_p(kept, min_p), 1.0, None, None, generator)
+    if min_p is not None: kept = keep_min_p(kept, min_p)       # min-p at t = 1
+    return _draw(kept, generator)
 
 def _check_choice(min_p, repetition_penalty) -> None:
     "min_p in [0, 1] or None; a repetition penalty > 0."
@@ -472,7 +486,6 @@ def _default_stops(model:nn.Module, stop_ids): # the ids that finish a row, or N
     if stop_ids is None: return getattr(model, 'eos_token_ids', None)
     return None if isinstance(stop_ids, (list, tuple)) and not stop_ids else stop_ids
 
-@replaces(generation)
 def generate_stream(
     model:nn.Module,  # follows the protocol of Generation, new_caches(capacity, pads)
     prompt_ids,       # (b, T) ids, or a list of 1-D prompts of different lengths
@@ -567,7 +580,6 @@ def _check_options(options:dict) -> None:
                     + (f"; {', '.join(hints)}" if hints else "")
                     + f". It supports: {', '.join(supported)}, step_times")
 
-@replaces(generation)
 def generate(
     model:nn.Module,  # any model with the protocol: TinyGPT, GPT2, Llama
     prompt_ids,       # (b, T) ids, or a list of 1-D prompts of different lengths

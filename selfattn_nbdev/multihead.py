@@ -102,12 +102,18 @@ class MultiHeadAttention(nn.Module):
         context = context.transpose(1, 2)                   # (b, T, heads, head_dim)
         return context.reshape(b, num_tokens, heads * head_dim)
 
+    _products = {}  # name: (x, linears) -> their outputs or None; a later page's
+
     def _qkv(self,
              x:Tensor, # tokens, (b, num_tokens, d_in)
             ) -> list: # queries, keys, values: (b, num_heads, num_tokens, head_dim)
         "Queries, keys and values of every token, each split into heads."
         projections = (self.W_query, self.W_key, self.W_value)
-        return [self._split_heads(W(x)) for W in projections]  # each (b, h, T, hd)
+        for product in self._products.values():  # a later page's: one for all three
+            outputs = product(x, projections)
+            if outputs is not None: break
+        else: outputs = [W(x) for W in projections]                # (b, T, width)
+        return [self._split_heads(t) for t in outputs]        # each (b, h, T, hd)
 
     _position_rules = {}  # name: (module, q, k, positions) -> q, k: a later page's RoPE
 

@@ -20,7 +20,8 @@ import selfattn_nbdev.masks as M
 import selfattn_nbdev.pretrained as P
 import selfattn_nbdev.recent as RC
 from selfattn_nbdev.explorer import AttentionExplorer, reference_module
-from selfattn_nbdev.generation import CharTokenizer, TinyGPT, TransformerBlock, sample_next, train_tiny_gpt
+from selfattn_nbdev.generation import CharTokenizer, TinyGPT, TransformerBlock, train_tiny_gpt
+from selfattn_nbdev.decoding import sample_next
 from selfattn_nbdev.decoding import StaticKVCache, generate, generate_stream
 from selfattn_nbdev.modern import check_kv_heads, check_rope, check_window
 from selfattn_nbdev.modern import rope_rotate as R_rope_rotate

@@ -16,7 +16,8 @@ from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, Gemma2Config,
                           Gemma3TextConfig, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
                           MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
-from selfattn_nbdev.generation import KVCache, generate
+from selfattn_nbdev.generation import KVCache
+from selfattn_nbdev.decoding import generate
 from selfattn_nbdev.pretrained import (GPT2, DeepSeekV3, Gemma, LatentAttention, Llama, deepseek_config, from_hf,
                                        gemma_config, llama_config, llama_weight_map, load_hf_state_dict,
                                        read_checkpoint, read_safetensors, save_hf, to_hf_state_dict,

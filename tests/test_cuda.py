@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from selfattn_nbdev import MultiHeadAttention
-from selfattn_nbdev.generation import TinyGPT, generate
+from selfattn_nbdev.generation import TinyGPT
+from selfattn_nbdev.decoding import generate
 from selfattn_nbdev.masks import block_mask, dense_mask, flex_mode, pick_kernel, sliding_window
 from selfattn_nbdev.tiled import tiled_attention
 

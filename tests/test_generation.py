@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from selfattn_nbdev.generation import CharTokenizer, TinyGPT, generate, train_tiny_gpt, zen_of_python
+from selfattn_nbdev.generation import CharTokenizer, TinyGPT, train_tiny_gpt, zen_of_python
+from selfattn_nbdev.decoding import generate
 
 
 @pytest.fixture(scope='module')

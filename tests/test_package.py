@@ -85,7 +85,7 @@ def test_modules_import_nothing_but_torch_and_stdlib():
 def test_generate_shows_the_options_of_generate_stream():
     "generate passes **kwargs on; its signature (help, editors) lists generate_stream's options by name."
     import inspect
-    from selfattn_nbdev.generation import generate, generate_stream
+    from selfattn_nbdev.decoding import generate, generate_stream
     params = inspect.signature(generate).parameters
     assert 'kwargs' not in params and 'step_times' in params
     for name in ('temperature', 'top_k', 'top_p', 'stop_ids', 'pad_id', 'compile', 'static', 'use_cache'):

@@ -9,7 +9,7 @@ import transformers  # a pinned development dependency: the proofs must run, nev
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from selfattn_nbdev.causal import causal_mask  # noqa: E402
-from selfattn_nbdev.generation import generate  # noqa: E402
+from selfattn_nbdev.decoding import generate  # noqa: E402
 from selfattn_nbdev.multihead import MultiHeadAttention, to_torch_multihead
 from selfattn_nbdev.generation import KVCache  # noqa: E402
 from selfattn_nbdev.pretrained import (GPT2, Llama, from_torch_multihead, gpt2_config, gpt2_from_hf,  # noqa: E402

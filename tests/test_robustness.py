@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from selfattn_nbdev import MultiHeadAttention, sample_next
 from selfattn_nbdev import decoding
 from selfattn_nbdev.decoding import StaticKVCache, generate
-from selfattn_nbdev.generation import KVCache, TinyGPT, generate_stream
+from selfattn_nbdev.generation import KVCache, TinyGPT
+from selfattn_nbdev.decoding import generate_stream
 from selfattn_nbdev.tiled import tiled_attention
 
 

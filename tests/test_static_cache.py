@@ -5,7 +5,8 @@ import torch
 from torch import nn
 from torch._dynamo.utils import counters
 
-from selfattn_nbdev.generation import TinyGPT, sample_next
+from selfattn_nbdev.generation import TinyGPT
+from selfattn_nbdev.decoding import sample_next
 from selfattn_nbdev.decoding import StaticKVCache, generate, generate_stream
 from selfattn_nbdev.multihead import MultiHeadAttention
 from selfattn_nbdev.generation import KVCache

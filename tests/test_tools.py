@@ -136,8 +136,8 @@ def _notebook(path, *codes, outputs=None):
     ('adds a method to a package class',
      ['from selfattn_nbdev.multihead import MultiHeadAttention', 'MultiHeadAttention.norms = lambda self: 1'],
      'selfattn_nbdev.multihead.MultiHeadAttention.norms'),
-    ('replaces a package function', ['import selfattn_nbdev.generation as g', 'g.sample_next = print'],
-     'selfattn_nbdev.generation.sample_next'),
+    ('replaces a package function', ['import selfattn_nbdev.generation as g', 'g.truncated_logits = print'],
+     'selfattn_nbdev.generation.truncated_logits'),
 ])
 def test_a_notebook_fails_when_it_raises_or_leaks(tmp_path, kind, codes, says):
     """What `nbdev_test` catches by running notebooks one after another in a process, the pytest item catches in one

@@ -111,6 +111,59 @@ class TinyGPT(nn.Module):
         self.norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size)
 
+    def forward(self,
+                token_ids:Tensor, # (b, num_tokens): all tokens, or the new ones
+                caches:list|None=None, # from `new_caches` (below): only new tokens
+                **attn_inputs, # more for every block's attention (a later page's)
+               ) -> Tensor: # next-token logits, (b, num_tokens, vocab_size)
+        "Scores for the token that follows each position (with caches: new ones)."
+        positions = self._positions(token_ids, caches, attn_inputs)  # (b | 1, T)
+        x = self.token_emb(token_ids)                        # (b, T, d_model)
+        if self.pos_emb is not None: x = x + self.pos_emb(positions)  # RoPE: None
+        for i, block in enumerate(self.blocks):
+            x = block(x, cache=None if caches is None else caches[i], **attn_inputs)
+        return self.head(self.norm(x))                       # (b, T, vocab_size)
+
+
+# %% ../nbs/06_generation.ipynb #c8fb2efb
+@patch
+def _check_call(self:TinyGPT,
+                token_ids:Tensor, # (b, num_tokens), the new tokens with caches
+                caches:list|None, # one per block, or None
+               ) -> None:
+    "Ids in the vocabulary; one cache per block; no more than context_length."
+    check_token_ids(token_ids, self.vocab_size, dims=(2,),
+                    device=self.token_emb.weight.device)
+    if torch.compiler.is_compiling(): return  # compiled: generate checked it all
+    if caches is not None and (not isinstance(caches, (list, tuple))
+                               or len(caches) != len(self.blocks)):
+        raise ValueError(f"caches must be a list of {len(self.blocks)} caches, "
+                         f"one per block (model.new_caches()); "
+                         f"got {caches!r:.60}")
+    for cache in caches or []: _check_cache(cache)
+    seen = 0 if caches is None else caches[0].num_seen
+    num_new = token_ids.shape[1]
+    if seen + num_new > self.context_length:
+        raise ValueError(f"{seen} tokens so far and {num_new} new make "
+                         f"{seen + num_new}, more than context_length="
+                         f"{self.context_length}")
+
+TinyGPT._call_parts = {}  # name: (model, token_ids, caches, attn_inputs) -> positions
+
+@patch
+def _positions(self:TinyGPT,
+               token_ids:Tensor, # (b, num_tokens), the new tokens with caches
+               caches:list|None, # one per block, or None
+               attn_inputs:dict, # the rest of the call: a later page's rule reads it
+              ) -> Tensor: # (b | 1, num_tokens): the position of each token
+    "A later page's part's answer, if it has one; else 0, 1, ... or after the cache."
+    for part in self._call_parts.values():
+        positions = part(self, token_ids, caches, attn_inputs)
+        if positions is not NotImplemented: return positions
+    self._check_call(token_ids, caches)
+    num_new, device = token_ids.shape[1], token_ids.device
+    return (torch.arange(num_new, device=device)[None] if caches is None
+            else caches[0].positions(num_new, device))
 
 # %% ../nbs/06_generation.ipynb #8691dde0
 def train_tiny_gpt(
@@ -342,20 +395,6 @@ def append(self:KVCache,
 
 # %% ../nbs/06_generation.ipynb #bd1e21c8
 @patch
-def forward(self:TinyGPT,
-            token_ids:Tensor, # (b, num_tokens): all tokens, or only the new ones
-            caches:list|None=None, # from `new_caches`: token_ids are the new tokens
-            **attn_inputs, # more for every block's attention (a later page's)
-           ) -> Tensor: # next-token logits, (b, num_tokens, vocab_size)
-    "Scores for the token that follows each position; with caches, of the new ones."
-    positions = self._positions(token_ids, caches, attn_inputs)  # (b | 1, T); folded
-    x = self.token_emb(token_ids)                            # (b, T, d_model)
-    if self.pos_emb is not None: x = x + self.pos_emb(positions)  # a later page: None
-    for i, block in enumerate(self.blocks):
-        x = block(x, cache=None if caches is None else caches[i], **attn_inputs)
-    return self.head(self.norm(x))                           # (b, T, vocab_size)
-
-@patch
 def new_caches(self:TinyGPT,
                capacity:int|None=None, # None: growing caches; else a later page's
                pads:Tensor|None=None, # with a capacity: left padding of each row
@@ -364,46 +403,6 @@ def new_caches(self:TinyGPT,
     if capacity is not None: return self._fixed_caches(capacity, pads)  # Batches
     if pads is not None: raise ValueError("pads needs a capacity; got None")
     return [KVCache() for _ in self.blocks]
-
-# %% ../nbs/06_generation.ipynb #c8fb2efb
-@patch
-def _check_call(self:TinyGPT,
-                token_ids:Tensor, # (b, num_tokens), the new tokens with caches
-                caches:list|None, # one per block, or None
-               ) -> None:
-    "Ids in the vocabulary; one cache per block; no more than context_length."
-    check_token_ids(token_ids, self.vocab_size, dims=(2,),
-                    device=self.token_emb.weight.device)
-    if torch.compiler.is_compiling(): return  # compiled: generate checked it all
-    if caches is not None and (not isinstance(caches, (list, tuple))
-                               or len(caches) != len(self.blocks)):
-        raise ValueError(f"caches must be a list of {len(self.blocks)} caches, "
-                         f"one per block (model.new_caches()); "
-                         f"got {caches!r:.60}")
-    for cache in caches or []: _check_cache(cache)
-    seen = 0 if caches is None else caches[0].num_seen
-    num_new = token_ids.shape[1]
-    if seen + num_new > self.context_length:
-        raise ValueError(f"{seen} tokens so far and {num_new} new make "
-                         f"{seen + num_new}, more than context_length="
-                         f"{self.context_length}")
-
-TinyGPT._call_parts = {}  # name: (model, token_ids, caches, attn_inputs) -> positions
-
-@patch
-def _positions(self:TinyGPT,
-               token_ids:Tensor, # (b, num_tokens), the new tokens with caches
-               caches:list|None, # one per block, or None
-               attn_inputs:dict, # the rest of the call: a later page's rule reads it
-              ) -> Tensor: # (b | 1, num_tokens): the position of each token
-    "A later page's part's answer, if it has one; else 0, 1, ... or after the cache."
-    for part in self._call_parts.values():
-        positions = part(self, token_ids, caches, attn_inputs)
-        if positions is not NotImplemented: return positions
-    self._check_call(token_ids, caches)
-    num_new, device = token_ids.shape[1], token_ids.device
-    return (torch.arange(num_new, device=device)[None] if caches is None
-            else caches[0].positions(num_new, device))
 
 # %% ../nbs/06_generation.ipynb #e7e1d94f
 def _decode(

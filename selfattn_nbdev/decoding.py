@@ -293,14 +293,7 @@ def project(
 
 MultiHeadAttention.stacked_linears = (('W_query', 'W_key', 'W_value'),)  # see stacked
 
-def _stacked_product(
-    x:Tensor, # tokens, (b, num_tokens, d_in)
-    linears:tuple, # W_query, W_key, W_value
-) -> list: # their outputs, (b, num_tokens, width) each: `project`'s
-    "The three projections by `project`: one product when the weights are stacked."
-    return project(x, *linears)
-
-MultiHeadAttention._products['stacked'] = _stacked_product  # _qkv asks it
+MultiHeadAttention._products['stacked'] = project  # _qkv asks it: one product
 
 # %% ../nbs/07_batches.ipynb #5908e3aa
 def _batch_prompts(

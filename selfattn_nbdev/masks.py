@@ -560,8 +560,8 @@ def _mask_mod_rule(m:MultiHeadAttention, num_tokens:int, num_keys:int, batch:int
     return lambda allowed: yours  # the module's causal or window mask: not asked
 
 # after the window: a mask_mod takes the place of causal and window; documents join
-MultiHeadAttention._mask_rules['mask_mod'] = _mask_mod_rule
-MultiHeadAttention._mask_rules['documents'] = _documents_rule
+MultiHeadAttention._mask_rules['mask_mod'] = ('mask_mod', _mask_mod_rule)
+MultiHeadAttention._mask_rules['documents'] = ('document_ids', _documents_rule)
 
 # %% ../nbs/10_masks.ipynb #sc0re002
 def _tile_index(
@@ -784,7 +784,7 @@ def _check_mods(mask_mod, score_mod, scale, cache) -> None:
         if f is not None and not callable(f):
             raise TypeError(f"{name} must be None or a function {form}; "
                             f"got {type(f).__name__}")
-    _check_scale(scale)
+    if scale is not None: _check_scale(scale)
     if cache is not None and (mask_mod is not None or score_mod is not None):
         raise ValueError("mask_mod and score_mod apply to whole sequences (training, "
                          "scoring); with a cache, the cache's own mask holds: call "
@@ -811,14 +811,9 @@ def _masks_part(
     # with RoPE each document starts again at 0; without, positions are not read
     return document_positions(document_ids) if m.rope else None
 
-def _choose_kernel(m:MultiHeadAttention, queries, keys, values, key_padding_mask,
-                   mask_inputs:dict) -> Tensor: # context, (b, heads, T, head_dim)
-    "A whole sequence: `_attend_masked`'s one choice, for the mask and the scores."
-    return m._attend_masked(queries, keys, values, key_padding_mask, **mask_inputs)
-
 MultiHeadAttention._call_parts['masks'] = (('document_ids', 'mask_mod', 'score_mod'),
                                            _masks_part)  # _inputs asks it
-MultiHeadAttention._kernel_choices['masks'] = _choose_kernel  # _finish's fused path
+MultiHeadAttention._kernel_choices['masks'] = '_attend_masked'  # a whole sequence
 
 # %% ../nbs/10_masks.ipynb #15ed15b8
 def _documents_call_part(

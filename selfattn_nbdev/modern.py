@@ -187,7 +187,7 @@ def _window_rule(
     inside = ~window_mask(num_tokens, m.window, m.W_query.weight.device, num_keys)
     return lambda allowed: inside if allowed is None else allowed & inside  # (T, S)
 
-MultiHeadAttention._mask_rules['window'] = _window_rule  # _allowed applies it
+MultiHeadAttention._mask_rules['window'] = (None, _window_rule)  # the module's own
 
 # %% ../nbs/09_modern.ipynb #a0984706
 _TABLES = weakref.WeakValueDictionary()  # cos, sin by key, while a module holds them

@@ -102,7 +102,7 @@ class MultiHeadAttention(nn.Module):
         context = context.transpose(1, 2)                   # (b, T, heads, head_dim)
         return context.reshape(b, num_tokens, heads * head_dim)
 
-    _products = {}  # name: (x, linears) -> their outputs or None; a later page's
+    _products = {}  # name: (x, *linears) -> their outputs or None; a later page's
 
     def _qkv(self,
              x:Tensor, # tokens, (b, num_tokens, d_in)
@@ -110,7 +110,7 @@ class MultiHeadAttention(nn.Module):
         "Queries, keys and values of every token, each split into heads."
         projections = (self.W_query, self.W_key, self.W_value)
         for product in self._products.values():  # a later page's: one for all three
-            outputs = product(x, projections)
+            outputs = product(x, *projections)
             if outputs is not None: break
         else: outputs = [W(x) for W in projections]                # (b, T, width)
         return [self._split_heads(t) for t in outputs]        # each (b, h, T, hd)
@@ -183,15 +183,20 @@ def _check_padding_mask(
         raise ValueError(f"key_padding_mask must have shape {names} = {expected}; "
                          f"got {tuple(key_padding_mask.shape)}")
 
-MultiHeadAttention._mask_rules = {}  # name: (module, T, S, batch, inputs) -> f or None
+# name: (the input it reads, or None: the module's own; rule(module, T, S, batch,
+# inputs) -> a part, allowed -> allowed, or None: nothing to add here)
+MultiHeadAttention._mask_rules = {}
 
 @patch
 def _mask_parts(self:MultiHeadAttention, num_tokens:int, num_keys:int, batch:int=1,
                 **mask_inputs) -> list: # the rules' parts: allowed -> allowed
     "What the later pages' mask rules add here (a window, documents): none, or some."
-    parts = [rule(self, num_tokens, num_keys, batch, mask_inputs)
-             for rule in self._mask_rules.values()]
-    return [part for part in parts if part is not None]
+    parts = []
+    for needs, rule in self._mask_rules.values():  # a rule of an input not given: out
+        if needs is None or mask_inputs.get(needs) is not None:
+            part = rule(self, num_tokens, num_keys, batch, mask_inputs)
+            if part is not None: parts.append(part)
+    return parts
 
 # %% ../nbs/04_multihead.ipynb #10575e83
 @patch
@@ -308,16 +313,16 @@ def _inputs(self:MultiHeadAttention,
     check_tokens(x, self.d_in, weight.dtype, weight.device)
     check_flag(return_attn_weights, 'return_attn_weights')
     _check_padding_mask(key_padding_mask, x)
-    _check_scale(scale)
-    mask_inputs = {} if mask_inputs is None else mask_inputs
-    known = {name for names, _ in self._call_parts.values() for name in names}
-    unknown = sorted(set(mask_inputs) - known)
-    if unknown: raise TypeError(f"forward() got unexpected keyword arguments: "
-                                f"{', '.join(unknown)}")
+    if scale is not None: _check_scale(scale)
     positions = NotImplemented  # a later page's part may answer: packed documents
-    for _, part in self._call_parts.values():
-        answer = part(self, x, key_padding_mask, cache, mask_inputs)
-        if answer is not NotImplemented: positions = answer
+    if mask_inputs:  # the parts that take these inputs check them
+        known = {name for names, _ in self._call_parts.values() for name in names}
+        unknown = sorted(set(mask_inputs) - known)
+        if unknown: raise TypeError(f"forward() got unexpected keyword arguments: "
+                                    f"{', '.join(unknown)}")
+        for _, part in self._call_parts.values():
+            answer = part(self, x, key_padding_mask, cache, mask_inputs)
+            if answer is not NotImplemented: positions = answer
     unbatched = x.dim() == 2
     if unbatched:  # one sequence: a batch axis of 1, removed again at the end
         x = x[None]
@@ -332,7 +337,8 @@ def _inputs(self:MultiHeadAttention,
         x = torch.where(key_padding_mask[..., None], x.nan_to_num(0.0, 0.0, 0.0), x)
     return x, key_padding_mask, unbatched, positions
 
-MultiHeadAttention._kernel_choices = {}  # name: (module, q, k, v, padding, inputs) -> c
+# name: the name of a later page's method (q, k, v, padding, **inputs) -> context
+MultiHeadAttention._kernel_choices = {}
 
 @patch
 def _attend_whole(self:MultiHeadAttention,
@@ -341,8 +347,9 @@ def _attend_whole(self:MultiHeadAttention,
                   mask_inputs:dict, # a later page's: documents, your mask or scores
                  ) -> Tensor: # context, (b, num_heads, T, head_dim)
     "A whole sequence, fused: a later page's choice of kernel, else SDPA as below."
-    for choose in self._kernel_choices.values():
-        context = choose(self, queries, keys, values, key_padding_mask, mask_inputs)
+    for method in self._kernel_choices.values():  # looked up: subclasses refine it
+        context = getattr(self, method)(queries, keys, values, key_padding_mask,
+                                        **mask_inputs)
         if context is not None: return context
     T = queries.shape[2]
     allowed = (None if key_padding_mask is None else

@@ -24,7 +24,10 @@ PARTS += [(MultiHeadAttention, '_products'), (KVCache, '_forget'), (TinyGPT, '_c
           (StaticKVCache, '_kinds')]  # the parts later pages add
 
 
-def _fn(part): return part[-1] if isinstance(part, tuple) else part  # (names, part) or part
+def _fn(part):
+    "The function of a part: (inputs, part), a method's name, or the part itself."
+    if isinstance(part, str): return getattr(MultiHeadAttention, part)
+    return part[-1] if isinstance(part, tuple) else part
 
 
 def _page(f) -> int: return PAGES.index(f.__module__.rsplit('.', 1)[-1])

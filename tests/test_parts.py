@@ -1,0 +1,170 @@
+"""Add, never replace: later pages add *parts* that the one forward of each class already calls.
+
+Each class of the story is defined once; a page that refines it adds an entry to a dict on the class
+(`MultiHeadAttention._options`, `_mask_rules`, `_score_rules`, `_call_parts`, `_kernel_choices`, `_products`,
+`_position_rules`, `_shown`; `TinyGPT._call_parts`; `KVCache._forget`; `StaticKVCache._kinds`). These tests hold
+the protocol: every method and function is defined once, a part that is there is used, a name no part takes is
+refused by name, and the kinds a cache becomes are the right ones."""
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+import selfattn_nbdev  # noqa: F401  (every module: every part in place)
+from selfattn_nbdev import generation
+from selfattn_nbdev.decoding import StaticKVCache, generate
+from selfattn_nbdev.generation import KVCache, TinyGPT
+from selfattn_nbdev.masks import sliding_window
+from selfattn_nbdev.modern import RingKVCache
+from selfattn_nbdev.multihead import MultiHeadAttention
+
+PACKAGE = Path(selfattn_nbdev.__file__).parent
+
+
+def _definitions() -> dict:
+    "(class or module, name) -> the places that define it: a class body, @patch, or a module's function."
+    defs = {}
+    for path in sorted(PACKAGE.glob('*.py')):
+        if path.name == '_modidx.py': continue
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef):
+                for f in node.body:
+                    if isinstance(f, ast.FunctionDef): defs.setdefault((node.name, f.name), []).append(path.stem)
+            elif isinstance(node, ast.FunctionDef):
+                patched = any(ast.unparse(d) == 'patch' for d in node.decorator_list)
+                owner = ast.unparse(node.args.args[0].annotation) if patched and node.args.args[0].annotation else None
+                if node.name == '__getattr__': continue  # PEP 562: a module's own, one per module
+                defs.setdefault((owner or path.stem, node.name), []).append(path.stem)
+    return defs
+
+
+def test_every_method_and_function_is_defined_once():
+    twice = {k: v for k, v in _definitions().items() if len(v) > 1}
+    assert not twice, twice
+
+
+def test_nothing_in_the_package_replaces_a_function_of_an_earlier_module():
+    for path in PACKAGE.glob('*.py'):
+        assert '@replaces' not in path.read_text(), path.name
+    assert not hasattr(selfattn_nbdev.core, 'replaces')
+
+
+def test_the_names_generation_held_say_where_they_are():
+    with pytest.raises(AttributeError, match=r"generate: the package's is written on the Batches page"):
+        generation.generate
+    assert selfattn_nbdev.generate is generate
+    with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
+        generation.nothing
+
+
+def test_an_option_no_part_takes_is_refused_by_name():
+    with pytest.raises(TypeError, match="unexpected options: num_kv_head"):
+        MultiHeadAttention(8, 8, 16, num_heads=2, num_kv_head=1)          # a typo of num_kv_heads
+    m = MultiHeadAttention(8, 8, 16, num_heads=2)
+    with pytest.raises(TypeError, match="unexpected keyword arguments: document_id"):
+        m(torch.randn(1, 4, 8), document_id=torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_the_options_part_sets_gqa_window_rope_before_the_layers_are_built():
+    m = MultiHeadAttention(8, 8, 16, num_heads=2, num_kv_heads=1, window=3, rope=True)
+    assert (m.num_kv_heads, m.window, m.rope) == (1, 3, True)
+    assert m.W_key.out_features == m.W_value.out_features == 4             # one key head of 4
+    plain = MultiHeadAttention(8, 8, 16, num_heads=2)
+    assert plain.num_kv_heads == 2 and plain.window is None and not plain.rope
+
+
+def test_the_window_rule_adds_nothing_while_every_key_is_within_reach():
+    m = MultiHeadAttention(8, 8, 16, num_heads=2, window=4)
+    assert m._mask_parts(1, 4) == [] and m._mask_parts(4, 4) == []
+    assert len(m._mask_parts(6, 6)) == 1
+    allowed = m._allowed(6, 6)[0, 0] if m._allowed(6, 6).dim() == 4 else m._allowed(6, 6)
+    query_5 = allowed[-1].tolist()                                     # the last query: keys 2..5
+    assert query_5 == [False, False, True, True, True, True]
+
+
+@pytest.mark.parametrize('path', ['fused', 'explicit'])
+def test_a_mask_mod_takes_the_place_of_causal_and_documents_join_it(path):
+    torch.manual_seed(0)
+    m = MultiHeadAttention(8, 8, 16, num_heads=2, causal=True).double().eval()
+    x = torch.randn(1, 6, 8, dtype=torch.float64)
+    everything = lambda b, h, q, kv: q >= 0                              # not causal: every key
+    docs = torch.tensor([[0, 0, 0, 1, 1, 1]])
+    weights = path == 'explicit'
+    out = m(x, mask_mod=everything, document_ids=docs, return_attn_weights=weights)
+    out = out[0] if weights else out
+    bidirectional = MultiHeadAttention(8, 8, 16, num_heads=2, causal=False).double().eval()
+    bidirectional.load_state_dict(m.state_dict())
+    for span in (slice(0, 3), slice(3, 6)):                              # each document alone, both ways
+        assert (out[:, span] - bidirectional(x[:, span])).abs().max() < 1e-12
+
+
+def test_a_static_cache_becomes_a_ring_for_a_window_and_back_after_a_reset():
+    torch.manual_seed(0)
+    windowed = MultiHeadAttention(8, 8, 16, num_heads=2, window=4).eval()
+    plain = MultiHeadAttention(8, 8, 16, num_heads=2).eval()
+    x = torch.randn(1, 7, 8)
+    cache = StaticKVCache(16)
+    with torch.no_grad():
+        steps = [windowed(x[:, :5], cache=cache)] + [windowed(x[:, t:t + 1], cache=cache) for t in range(5, 7)]
+        assert type(cache) is RingKVCache and cache._keys.shape[2] == 4
+        assert (torch.cat(steps, 1) - windowed(x)).abs().max() < 1e-5
+        cache.reset()
+        wide = StaticKVCache(3)                       # a window no shorter than the capacity: no ring
+        windowed(x[:, :2], cache=wide)
+        assert type(wide) is StaticKVCache
+        fresh = StaticKVCache(16)
+        plain(x[:, :3], cache=fresh)
+        assert type(fresh) is StaticKVCache and fresh._keys.shape[2] == 16
+    assert type(cache) is RingKVCache                  # until its next first update: then the module decides
+    with torch.no_grad(): plain(x[:, :3], cache=cache)
+    assert type(cache) is StaticKVCache
+
+
+def test_a_growing_cache_forgets_beyond_the_window_through_its_part():
+    assert 'window' in KVCache._forget
+    torch.manual_seed(0)
+    m = MultiHeadAttention(8, 8, 32, num_heads=2, window=3).eval()
+    cache = KVCache()
+    with torch.no_grad():
+        for t in range(10): m(torch.randn(1, 1, 8), cache=cache)
+    assert len(cache) == 2 and cache.num_seen == 10                    # window - 1 kept for the next token
+
+
+def test_a_model_with_documents_restarts_positions_through_its_call_part():
+    assert 'documents' in TinyGPT._call_parts
+    torch.manual_seed(0)
+    model = TinyGPT(20, 16, d_model=16, num_heads=2).eval()
+    ids = torch.randint(0, 20, (1, 10))
+    docs = torch.tensor([[0] * 4 + [1] * 6])
+    with torch.no_grad():
+        packed = model(ids, document_ids=docs)
+        assert (packed[:, 4:] - model(ids[:, 4:])).abs().max() < 1e-5
+    with pytest.raises(ValueError, match="document_ids cannot be combined with caches"):
+        model(ids, model.new_caches(), document_ids=docs)
+
+
+def test_generate_with_the_stacked_product_part_equals_one_product_each():
+    assert 'stacked' in MultiHeadAttention._products
+    torch.manual_seed(0)
+    model = TinyGPT(20, 32, d_model=16, num_heads=2).eval()
+    prompt = torch.randint(0, 20, (2, 5))
+    saved = dict(MultiHeadAttention._products)
+    try:
+        with_part = generate(model, prompt, 6)
+        MultiHeadAttention._products.clear()
+        assert torch.equal(generate(model, prompt, 6), with_part)
+    finally: MultiHeadAttention._products.update(saved)
+
+
+def test_the_traced_forward_keeps_sliding_window_exact():
+    "The mask_mod path of the structure benchmark (bench/structure.py) gives the window's own answer."
+    from selfattn_nbdev.models import Llama
+    torch.manual_seed(0)
+    model = Llama(vocab_size=64, context_length=32, d_model=32, num_heads=4, num_layers=1).eval()
+    ids = torch.randint(0, 64, (1, 16))
+    with torch.no_grad():
+        yours = model(ids, mask_mod=sliding_window(4))
+        windowed = Llama(vocab_size=64, context_length=32, d_model=32, num_heads=4, num_layers=1, window=4).eval()
+        windowed.load_state_dict(model.state_dict())
+        assert (yours - windowed(ids)).abs().max() < 1e-5

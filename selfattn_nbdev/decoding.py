@@ -16,7 +16,6 @@ from torch import Tensor, nn
 
 from .core import (_forget_old_main, check_flag, check_range, check_size,
                                  check_token_ids, patch)
-from . import generation
 from .multihead import MultiHeadAttention
 from .generation import (KVCache, TinyGPT, _check_generation, _decode,
                                        _check_sampling, _draw, _signature_with,

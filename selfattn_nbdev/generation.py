@@ -19,7 +19,6 @@ from torch import Tensor, nn
 
 from .core import (check_count, check_flag, check_range, check_size,
                                  check_token_ids, check_tokens, patch)
-from .causal import check_context
 from .multihead import MultiHeadAttention, _check_cache
 
 # %% ../nbs/06_generation.ipynb #e753034a

@@ -15,7 +15,6 @@ import functools
 import importlib.util
 import inspect
 import math
-import numbers
 import threading
 import warnings
 import contextlib
@@ -26,12 +25,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .core import (_forget_old_main, check_count, check_size,
-                                 check_token_ids, check_tokens, patch)
+                                 check_token_ids, patch)
 from .causal import check_context
 from .multihead import MultiHeadAttention, _check_scale
-from .generation import TinyGPT, TransformerBlock
+from .generation import TinyGPT
 from .decoding import _limit_name, _runs_in_rows
-from .modern import repeat_kv
 
 # %% ../nbs/10_masks.ipynb #m19c0007
 def causal(b, h, q_idx, kv_idx):

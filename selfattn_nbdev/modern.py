@@ -11,16 +11,15 @@ import math
 import numbers
 import weakref
 from typing import Callable
-from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .core import check_count, check_flag, check_range, check_size, patch
-from .causal import check_context, check_dropout, causal_mask
-from .multihead import MultiHeadAttention, check_heads
-from .generation import KVCache, TinyGPT, TransformerBlock
+from .causal import causal_mask
+from .multihead import MultiHeadAttention
+from .generation import KVCache
 from .decoding import StaticKVCache
 
 # %% ../nbs/09_modern.ipynb #bad67fae

@@ -102,8 +102,8 @@ class TinyGPT(nn.Module):
         check_size(d_model, 'd_model'); check_size(context_length, 'context_length')
         self.vocab_size, self.context_length = vocab_size, context_length
         self.token_emb = nn.Embedding(vocab_size, d_model)
-        self.pos_emb = (None if options.get('rope') else  # a vector per position (a
-                        nn.Embedding(context_length, d_model))  # later page: RoPE)
+        self.pos_emb = (None if options.get('rope') else  # RoPE (a later page): none
+                        nn.Embedding(context_length, d_model))  # a vector per position
         self.blocks = nn.ModuleList(
             TransformerBlock(d_model, context_length, num_heads, **options)
             for _ in range(num_layers))

@@ -312,7 +312,7 @@ class RingKVCache(StaticKVCache):
                 ) -> Tensor: # bool (b | 1, 1, T, S), True = attend
         "Causal over columns and within the window, as StaticKVCache's otherwise."
         within = columns[:, None] - key_columns < self._window              # (T, S)
-        return StaticKVCache._allowed(self, columns, key_columns) & within
+        return super()._allowed(columns, key_columns) & within
 
     def __len__(self) -> int:
         "The number of slots in use."

@@ -1,27 +1,26 @@
 """Every page's version of the story's module, run again.
 
-The story grows `MultiHeadAttention`, `TinyGPT` and the caches page by page: a later page replaces a method with
-`@patch` (or a function with `@replaces`), and the package runs the last version. The earlier versions are what their
-pages teach and run; `.replaced` keeps them. Here each page's set of versions is put back (`as_of`), run on the
-inputs that page supports, and compared with the package's final module on the same weights: the story's modules
-compute what the package computes."""
+The story grows `MultiHeadAttention`, `TinyGPT` and the caches page by page. Every method is defined once, on the
+page that builds the class; a later page adds *parts*, entries of dicts that those methods read (see Develop). Here
+each page's parts are put back (`as_of`: the entries of later pages taken out), the module is run on the inputs
+that page supports, and compared with the package's final module on the same weights: the story's modules compute
+what the package computes."""
 import contextlib
 
 import pytest
 import torch
 
-import selfattn_nbdev  # noqa: F401  (every module, so every later version is in place)
-from selfattn_nbdev import decoding, generation
+import selfattn_nbdev  # noqa: F401  (every module, so every part is in place)
+from selfattn_nbdev import decoding
 from selfattn_nbdev.decoding import StaticKVCache
-from selfattn_nbdev.generation import KVCache, TinyGPT, TransformerBlock
+from selfattn_nbdev.generation import KVCache, TinyGPT
 from selfattn_nbdev.multihead import MultiHeadAttention
 
 PAGES = ['multihead', 'generation', 'decoding', 'modern', 'masks']  # the reading order of the modules that grow
-GROWN = []  # every method and function is defined once: later pages only add parts
+HOME = {MultiHeadAttention: 'multihead', TinyGPT: 'generation', KVCache: 'generation', StaticKVCache: 'decoding'}
 PARTS = [(MultiHeadAttention, name) for name in ('_position_rules', '_shown', '_options', '_mask_rules', '_score_rules',
-                                                 '_call_parts', '_kernel_choices')]
-PARTS += [(MultiHeadAttention, '_products'), (KVCache, '_forget'), (TinyGPT, '_call_parts'),
-          (StaticKVCache, '_kinds')]  # the parts later pages add
+                                                 '_call_parts', '_kernel_choices', '_products')]
+PARTS += [(KVCache, '_forget'), (TinyGPT, '_call_parts'), (StaticKVCache, '_kinds')]  # the parts later pages add
 
 
 def _fn(part):
@@ -33,38 +32,25 @@ def _fn(part):
 def _page(f) -> int: return PAGES.index(f.__module__.rsplit('.', 1)[-1])
 
 
-def version_at(owner, name: str, page: str):
-    "The version of `owner.name` that a reader of `page` has: the latest defined on that page or before it."
-    f = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
-    while f is not None and _page(f) > PAGES.index(page): f = getattr(f, 'replaced', None)
-    return f
-
-
 @contextlib.contextmanager
 def as_of(page: str):
-    "Put back the versions of every grown method and function, and the parts, as they stand after `page`."
-    saved = [(owner, name, owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name))
-             for owner, names in GROWN for name in names]
+    "Put back the parts as they stand after `page`: those of later pages are not there yet."
     parts = [(getattr(owner, name), dict(getattr(owner, name))) for owner, name in PARTS]
     try:
-        for owner, name, _ in saved:
-            f = version_at(owner, name, page)
-            if f is None: delattr(owner, name)  # not there yet: the class's own, or its parent's
-            else: setattr(owner, name, f)
-        for table, entries in parts:  # a part added by a later page is not there yet
+        for table, entries in parts:
             table.clear(); table.update({k: f for k, f in entries.items() if _page(_fn(f)) <= PAGES.index(page)})
         yield
     finally:
-        for owner, name, f in saved: setattr(owner, name, f)
         for table, entries in parts: table.clear(); table.update(entries)
 
 
-def test_the_versions_are_in_reading_order():
-    for owner, names in GROWN:
-        for name in names:
-            f, pages = version_at(owner, name, 'masks'), []
-            while f is not None: pages.append(_page(f)); f = getattr(f, 'replaced', None)
-            assert pages == sorted(pages, reverse=True), (owner, name, pages)
+def test_every_part_comes_from_a_page_after_its_class():
+    "A part is added by a later page (or the class's own), never by an earlier one: the story reads forward."
+    for owner, name in PARTS:
+        table = getattr(owner, name)
+        assert table, (owner.__name__, name)                       # every part is used by some page
+        for entry in table.values():
+            assert _page(_fn(entry)) >= PAGES.index(HOME[owner]), (owner.__name__, name, entry)
 
 
 def _pair(page, **options):

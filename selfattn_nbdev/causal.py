@@ -11,8 +11,8 @@ import math
 import torch
 from torch import Tensor, nn
 
-from .core import (check_count, check_flag, check_range, check_size,
-                                 check_tokens)
+from .core import (ARGUMENT_RULES, check_count, check_range, check_tokens,
+                                 checked)
 
 # %% ../nbs/03_causal.ipynb #abca7e3a
 def check_dropout(p) -> None:
@@ -30,6 +30,9 @@ def check_context(
             f"the input has {num_tokens} tokens but the module was built with "
             f"context_length={context_length}; pass at most {context_length} tokens "
             f"or build it with a larger context_length")
+
+ARGUMENT_RULES['dropout'] = lambda given, name: check_dropout(given[name])
+
 
 # %% ../nbs/03_causal.ipynb #6771c0e5
 def causal_mask(
@@ -53,6 +56,7 @@ def _check_mask_sizes(num_tokens, num_keys) -> None:
                          f"keys; got num_keys={num_keys}, num_tokens={num_tokens}")
 
 # %% ../nbs/03_causal.ipynb #a07a5da0
+@checked
 class CausalAttention(nn.Module):
     "Single-head causal self-attention: token i attends to tokens 1..i only."
     def __init__(self,
@@ -63,9 +67,6 @@ class CausalAttention(nn.Module):
                  qkv_bias:bool=False, # learned biases in W_query, W_key, W_value
                 ):
         super().__init__()
-        check_size(d_in, 'd_in'); check_size(d_out, 'd_out')
-        check_size(context_length, 'context_length'); check_dropout(dropout)
-        check_flag(qkv_bias, 'qkv_bias')
         self.d_in, self.d_out, self.context_length = d_in, d_out, context_length
         self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.W_key = nn.Linear(d_in, d_out, bias=qkv_bias)
@@ -84,9 +85,6 @@ class CausalAttention(nn.Module):
                 return_attn_weights:bool=False, # also return the attention weights
                ) -> Tensor: # context vectors (..., num_tokens, d_out) [and the weights]
         "Context vectors of `x` in which token i mixes the values of tokens 1..i only."
-        weight = self.W_query.weight
-        check_tokens(x, self.d_in, weight.dtype, weight.device)
-        check_flag(return_attn_weights, 'return_attn_weights')
         num_tokens = x.shape[-2]
         check_context(num_tokens, self.context_length)
         queries = self.W_query(x)                       # (..., num_tokens, d_out)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .core import (check_count, check_flag, check_range, check_size,
-                                 check_token_ids, check_tokens, patch)
+                                 check_token_ids, checked, patch)
 from .multihead import MultiHeadAttention, _check_cache
 
 # %% ../nbs/06_generation.ipynb #e753034a
@@ -60,6 +60,7 @@ class CharTokenizer:
         return "".join(self.chars[i] for i in token_ids.tolist())
 
 # %% ../nbs/06_generation.ipynb #0ccd1812
+@checked
 class TransformerBlock(nn.Module):
     "Pre-norm transformer block: causal attention, then an MLP, each one residual."
     def __init__(self,
@@ -82,11 +83,11 @@ class TransformerBlock(nn.Module):
                 **attn_inputs, # more for the attention: a cache (below), ...
                ) -> Tensor: # (b, num_tokens, d_model)
         "Attend to the earlier tokens, then transform each token; add both to `x`."
-        check_tokens(x, self.attn.d_in, self.norm1.weight.dtype)  # a clear error
         x = x + self.attn(self.norm1(x), **attn_inputs)  # (b, num_tokens, d_model)
         return x + self.mlp(self.norm2(x))              # (b, num_tokens, d_model)
 
 # %% ../nbs/06_generation.ipynb #b2a5caa3
+@checked
 class TinyGPT(nn.Module):
     "A small GPT: token and position embeddings, transformer blocks, a next-token head."
     def __init__(self,
@@ -98,8 +99,6 @@ class TinyGPT(nn.Module):
                  **options, # more options of every block's MultiHeadAttention
                 ):
         super().__init__()
-        check_size(vocab_size, 'vocab_size'); check_size(num_layers, 'num_layers')
-        check_size(d_model, 'd_model'); check_size(context_length, 'context_length')
         self.vocab_size, self.context_length = vocab_size, context_length
         self.token_emb = nn.Embedding(vocab_size, d_model)
         self.pos_emb = (None if options.get('rope') else  # RoPE (a later page): none

@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .core import check_flag, check_size, check_tokens, patch
-from .causal import (CausalAttention, causal_mask, check_context,
-                                   check_dropout)
+from .core import (ARGUMENT_RULES, check_flag, check_size, check_tokens,
+                                 checked, patch)
+from .causal import CausalAttention, causal_mask, check_context
 
 # %% ../nbs/04_multihead.ipynb #1176acd3
 def check_heads(
@@ -30,7 +30,17 @@ def check_heads(
             f"num_heads must divide d_out so that every head gets d_out // num_heads "
             f"dimensions; got d_out={d_out}, num_heads={num_heads}")
 
+def _heads_rule(given, name): # with d_out, or a model's d_model, when given
+    "`num_heads` divides the width it splits."
+    d_out = given.get('d_out', given.get('d_model'))
+    if d_out is None: check_size(given[name], name)
+    else: check_heads(d_out, given[name])
+
+ARGUMENT_RULES['num_heads'] = _heads_rule
+
+
 # %% ../nbs/04_multihead.ipynb #1809c1ea
+@checked
 class MultiHeadAttentionWrapper(nn.Module):
     "Causal multi-head attention as `num_heads` separate `CausalAttention` heads."
     def __init__(self,
@@ -42,7 +52,6 @@ class MultiHeadAttentionWrapper(nn.Module):
                  qkv_bias:bool=False, # learned biases in W_query, W_key, W_value
                 ):
         super().__init__()
-        check_size(d_out, 'd_out'); check_heads(d_out, num_heads)
         head_dim = d_out // num_heads
         self.heads = nn.ModuleList(
             [CausalAttention(d_in, head_dim, context_length, dropout, qkv_bias)
@@ -56,6 +65,7 @@ class MultiHeadAttentionWrapper(nn.Module):
         return torch.cat(per_head, dim=-1)           # (..., num_tokens, d_out)
 
 # %% ../nbs/04_multihead.ipynb #1d0a4d97
+@checked
 class MultiHeadAttention(nn.Module):
     "Multi-head (by default causal) self-attention: a fused path and an explicit path."
     def __init__(self,
@@ -70,11 +80,6 @@ class MultiHeadAttention(nn.Module):
                  **options, # a later page's: GQA, a window, RoPE (see _options)
                 ):
         super().__init__()
-        check_size(d_in, 'd_in'); check_size(d_out, 'd_out')
-        check_size(context_length, 'context_length'); check_heads(d_out, num_heads)
-        check_dropout(dropout)
-        for name, flag in [('qkv_bias', qkv_bias), ('causal', causal),
-                           ('out_bias', out_bias)]: check_flag(flag, name)
         self.d_in, self.d_out, self.context_length = d_in, d_out, context_length
         self.num_heads, self.head_dim = int(num_heads), d_out // num_heads
         self.causal = causal

@@ -9,7 +9,7 @@ __all__ = ['softmax_stable', 'simple_attention']
 import torch
 from torch import Tensor
 
-from .core import check_flag, check_tokens
+from .core import checked
 
 # %% ../nbs/01_simple.ipynb #da8a324e
 def softmax_stable(
@@ -37,13 +37,12 @@ def _check_scores(x) -> None:
                          f"got +inf at index {where}")
 
 # %% ../nbs/01_simple.ipynb #3b80114b
+@checked
 def simple_attention(
     inputs:Tensor, # token embeddings, (num_tokens, d_in) or (batch, num_tokens, d_in)
     return_attn_weights:bool=False, # also return α, (..., num_tokens, num_tokens)
 ) -> Tensor: # context vectors, shape of `inputs` (and the weights if asked)
     "Self-attention without trainable weights: each embedding is query, key and value."
-    check_tokens(inputs, d_in=None, name='inputs')
-    check_flag(return_attn_weights, 'return_attn_weights')
     attn_scores = inputs @ inputs.transpose(-2, -1)    # (..., num_tokens, num_tokens)
     attn_weights = torch.softmax(attn_scores, dim=-1)  # (..., num_tokens, num_tokens)
     context_vecs = attn_weights @ inputs               # (..., num_tokens, d_in)

@@ -11,9 +11,10 @@ import math
 import torch
 from torch import Tensor, nn
 
-from .core import check_flag, check_size, check_tokens
+from .core import checked
 
 # %% ../nbs/02_trainable.ipynb #703fccd0
+@checked
 class SelfAttentionV1(nn.Module):
     "Scaled dot-product self-attention with `nn.Parameter` weights drawn from U[0, 1)."
     def __init__(self,
@@ -22,7 +23,6 @@ class SelfAttentionV1(nn.Module):
                 ):
         "Draw the three weight matrices, in the order query, key, value."
         super().__init__()
-        check_size(d_in, 'd_in'); check_size(d_out, 'd_out')
         self.d_in, self.d_out = d_in, d_out
         self.W_query = nn.Parameter(torch.rand(d_in, d_out))  # (d_in, d_out), U[0, 1)
         self.W_key = nn.Parameter(torch.rand(d_in, d_out))    # (d_in, d_out)
@@ -33,8 +33,6 @@ class SelfAttentionV1(nn.Module):
                 return_attn_weights:bool=False, # also return the weights α
                ) -> Tensor: # context vectors, (..., num_tokens, d_out) [and α]
         "One context vector per token: the values averaged with softmax(QKᵀ / √d_k)."
-        check_tokens(x, self.d_in, self.W_query.dtype, self.W_query.device)
-        check_flag(return_attn_weights, 'return_attn_weights')
         queries = x @ self.W_query                      # (..., num_tokens, d_out)
         keys = x @ self.W_key                           # (..., num_tokens, d_out)
         values = x @ self.W_value                       # (..., num_tokens, d_out)
@@ -49,6 +47,7 @@ class SelfAttentionV1(nn.Module):
         return f"d_in={self.d_in}, d_out={self.d_out}"
 
 # %% ../nbs/02_trainable.ipynb #ad494cf5
+@checked
 class SelfAttentionV2(nn.Module):
     "Scaled dot-product self-attention with `nn.Linear` projections (default init)."
     def __init__(self,
@@ -58,8 +57,6 @@ class SelfAttentionV2(nn.Module):
                 ):
         "Build the three `nn.Linear` projections, in the order query, key, value."
         super().__init__()
-        check_size(d_in, 'd_in'); check_size(d_out, 'd_out')
-        check_flag(qkv_bias, 'qkv_bias')
         self.d_in, self.d_out = d_in, d_out
         self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)  # .weight: (d_out, d_in)
         self.W_key = nn.Linear(d_in, d_out, bias=qkv_bias)
@@ -70,9 +67,6 @@ class SelfAttentionV2(nn.Module):
                 return_attn_weights:bool=False, # also return the weights α
                ) -> Tensor: # context vectors, (..., num_tokens, d_out) [and α]
         "One context vector per token: the values averaged with softmax(QKᵀ / √d_k)."
-        weight = self.W_query.weight
-        check_tokens(x, self.d_in, weight.dtype, weight.device)
-        check_flag(return_attn_weights, 'return_attn_weights')
         queries = self.W_query(x)                       # (..., num_tokens, d_out)
         keys = self.W_key(x)                            # (..., num_tokens, d_out)
         values = self.W_value(x)                        # (..., num_tokens, d_out)

@@ -364,7 +364,7 @@ CASES = {
     'make_bank seed float': (lambda: make_bank_sentences(3, seed=1.5), TypeError, ['seed', '1.5']),
     'classifier vocab': (lambda: BankSenseClassifier(vocab_size=0), ValueError, ['vocab_size', '0']),
     'classifier classes': (lambda: BankSenseClassifier(num_classes=-1), ValueError, ['num_classes', '-1']),
-    'classifier d_model': (lambda: BankSenseClassifier(d_model=0), ValueError, ['d_in', '0']),
+    'classifier d_model': (lambda: BankSenseClassifier(d_model=0), ValueError, ['d_model', '0']),
     'classifier ids float': (lambda: CLF(IDS.float(), POS), TypeError, ['token_ids', 'float32']),
     'classifier ids range': (lambda: CLF(IDS + 100, POS), ValueError, ['token_ids', f'[0, {len(VOCAB)})']),
     'classifier ids 1-D': (lambda: CLF(IDS[0], POS), ValueError, ['token_ids', '(batch, num_tokens)']),

@@ -1,11 +1,11 @@
 """The package's structure, measured (issue "Add, never replace"): its lines, the methods and functions defined more
 than once (superseded versions), the @patch definitions that reach into another module's class, and one traced forward
 of a 1-layer Llama with mask_mod=sliding_window(4): how many calls into the package it makes, in how many modules, and
-how often it switches module. Prints a table; `--out FILE` writes it as JSON.
+how often it switches module; the guard lines the story pages show, and each module's lines and package imports. Prints a table; `--out FILE` writes it as JSON.
 
     python bench/structure.py --out bench/structure.json
 """
-import argparse, ast, collections, datetime, json, subprocess, sys
+import argparse, ast, collections, datetime, json, re, subprocess, sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,6 +32,36 @@ def cross_module_patches() -> tuple:
                 owner = first.id if isinstance(first, ast.Name) else None
                 patches.append((path.stem, owner))
     return len(patches), sum(1 for module, owner in patches if owner and classes.get(owner, module) != module)
+
+
+STORY = ['index', '01_simple', '02_trainable', '03_causal', '04_multihead', '05_training', '06_generation']
+
+
+def story_guards() -> dict:
+    "Guard lines the story pages show (code not folded or hidden): check_* calls and @checked."
+    counts = {}
+    for page in STORY:
+        nb = json.loads(next((ROOT / 'nbs').glob(f'{page}*.ipynb')).read_text())
+        n = 0
+        for cell in nb['cells']:
+            src = ''.join(cell['source'])
+            if cell['cell_type'] != 'code' or re.search(r'^#\|\s*(fold|hide)|code-fold', src, re.M): continue
+            n += sum(1 for line in src.splitlines() if not line.lstrip().startswith(('def ', '#'))
+                     and (re.search(r'\bcheck_\w+\(', line) or line.strip() == '@checked'))
+        counts[page] = n
+    return dict(total=sum(counts.values()), by_page=counts)
+
+
+def module_imports() -> dict:
+    "Each module of the package: its lines and the package modules it imports."
+    layout = {}
+    for path in sorted(PACKAGE.glob('*.py')):
+        if path.name in ('_modidx.py', '__init__.py'): continue
+        tree = ast.parse(path.read_text())
+        imports = sorted({node.module for node in ast.walk(tree)
+                          if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module})
+        layout[path.stem] = dict(lines=len(path.read_text().splitlines()), imports=imports)
+    return layout
 
 
 def superseded() -> int | None:
@@ -76,14 +106,20 @@ def main():
     trace = traced_forward()
     result = dict(date=datetime.date.today().isoformat(), command='python bench/structure.py --out bench/structure.json',
                   package_lines=package_lines(), superseded_versions=superseded(), patches=patches,
-                  patches_into_another_module=cross, forward_trace=trace)
+                  patches_into_another_module=cross, story_guards=story_guards(),
+                  layout=module_imports(), forward_trace=trace)
     rows = [('package lines (without _modidx.py)', result['package_lines']),
             ('superseded versions', result['superseded_versions']),
             ('@patch / @replaces definitions', patches), ('  into another module\'s class', cross),
             ('1-layer Llama, mask_mod: package calls', trace['calls']),
-            ('  modules', trace['modules']), ('  module switches', trace['switches'])]
+            ('  modules', trace['modules']), ('  module switches', trace['switches']),
+            ('guard lines shown on the story pages', result['story_guards']['total'])]
     for name, value in rows: print(f'{name:42} {value}')
-    if args.out: Path(args.out).write_text(json.dumps(result, indent=1) + '\n')
+    if args.out:
+        out = Path(args.out)  # the figures before the change, kept when the file has them
+        before = json.loads(out.read_text()).get('before') if out.exists() else None
+        if before: result['before'] = before
+        out.write_text(json.dumps(result, indent=1) + '\n')
 
 
 if __name__ == '__main__':

@@ -33,6 +33,8 @@ from .masks import (and_masks, attention_kernel, causal, dense_mask,
 from .tiled import tiled_attention
 from . import mods as _mods  # MultiHeadAttention's 'block' path
 from .explorer import AttentionExplorer, package_attention
+# the families of later pages: each module adds its line to from_hf's FAMILIES
+from . import hybrid as _hybrid, smollm3 as _smollm3
 
 _all_ = ['SelfAttention', 'check_tokens', 'check_size', 'check_flag', 'check_count',
          'check_range', 'check_token_ids', 'check_dropout', 'check_context',

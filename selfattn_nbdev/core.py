@@ -210,6 +210,12 @@ def _forget_old_main() -> None:
             del names["__import___main__"]
     torch._dynamo.reset()
 
+def _limit_name() -> str: # Dynamo's limit on the graphs of one function
+    "Its name since torch 2.7; before, `cache_size_limit`."
+    config = torch._dynamo.config
+    if hasattr(config, 'recompile_limit'): return 'recompile_limit'
+    return 'cache_size_limit'
+
 
 # %% ../nbs/90_core.ipynb #afaf23cf
 @checked

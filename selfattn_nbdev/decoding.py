@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .core import (_forget_old_main, check_flag, check_range, check_size,
-                                 check_token_ids, patch)
-from .multihead import MultiHeadAttention
+from .core import (_forget_old_main, _limit_name, check_flag, check_range,
+                                 check_size, check_token_ids, patch)
+from .multihead import MultiHeadAttention, _runs_in_rows
 from .generation import (KVCache, TinyGPT, _check_generation, _decode,
                                        _check_sampling, _draw, _signature_with,
                                        _stop_ids, truncated_logits)
@@ -318,10 +318,6 @@ def _batch_prompts(
     token_ids = torch.stack([F.pad(p, (longest - len(p), 0)) for p in prompt_ids])
     return token_ids, (pads if pads.any() else None)
 
-def _runs_in_rows(real:Tensor) -> Tensor: # bool (b, T), True at a real token
-    "How many runs of real tokens each row holds: 1 when its padding is at its ends."
-    return (real & ~F.pad(real, (1, 0))[:, :-1]).sum(1)  # (b,): runs begun
-
 def _prompts_of(
     prompt_ids, # (b, T) ids, padded by a tokenizer on the left or the right
     attention_mask, # (b, T), 1 (or True) at a real token, 0 at padding
@@ -405,12 +401,6 @@ def _room_full() -> tuple: # the errors of a fullgraph compile past Dynamo's lim
     exc = torch._dynamo.exc  # FailOnCacheLimitHit in torch 2.6; none before
     names = ('FailOnRecompileLimitHit', 'FailOnCacheLimitHit')
     return tuple(getattr(exc, n) for n in names if hasattr(exc, n)) or (_NeverRaised,)
-
-def _limit_name() -> str: # Dynamo's limit on the graphs of one function
-    "Its name since torch 2.7; before, `cache_size_limit`."
-    config = torch._dynamo.config
-    if hasattr(config, 'recompile_limit'): return 'recompile_limit'
-    return 'cache_size_limit'
 
 def _most_graphs() -> int: # Dynamo's cap on all the graphs of a function
     "It counts every graph `_limit_name` counts, and more: past it, no room helps."

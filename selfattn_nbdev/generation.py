@@ -146,7 +146,9 @@ def _check_call(self:TinyGPT,
                          f"{seen + num_new}, more than context_length="
                          f"{self.context_length}")
 
-TinyGPT._call_parts = {}  # name: (model, token_ids, caches, attn_inputs) -> positions
+# name: (model, token_ids, caches, attn_inputs) -> positions: its attention's, where a
+# later page that adds an input to the attention says what a model does with it
+TinyGPT._call_parts = MultiHeadAttention._model_parts
 
 @patch
 def _positions(self:TinyGPT,

@@ -24,12 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .core import (_forget_old_main, check_count, check_size,
-                                 check_token_ids, patch)
+from .core import (_forget_old_main, _limit_name, check_count,
+                                 check_size, check_token_ids, patch)
 from .causal import check_context
-from .multihead import MultiHeadAttention, _check_scale
-from .generation import TinyGPT
-from .decoding import _limit_name, _runs_in_rows
+from .multihead import MultiHeadAttention, _check_scale, _runs_in_rows
 
 # %% ../nbs/10_masks.ipynb #m19c0007
 def causal(b, h, q_idx, kv_idx):
@@ -815,7 +813,7 @@ MultiHeadAttention._kernel_choices['masks'] = '_attend_masked'  # a whole sequen
 
 # %% ../nbs/10_masks.ipynb #15ed15b8
 def _documents_call_part(
-    model:TinyGPT, # the model called
+    model:torch.nn.Module, # the model called: a TinyGPT, or one built like it
     token_ids:Tensor, # (b, T)
     caches:list|None, # must be None with documents
     attn_inputs:dict, # the call's other inputs: document_ids, if any, and mods
@@ -839,7 +837,7 @@ def _documents_call_part(
     attn_inputs['document_ids'] = _share_across_blocks(document_ids)  # one mask
     return positions
 
-TinyGPT._call_parts['documents'] = _documents_call_part
+MultiHeadAttention._model_parts['documents'] = _documents_call_part  # TinyGPT's too
 
 # %% ../nbs/10_masks.ipynb #2af85862
 def _check_lead(t, lead:tuple, name:str) -> None:

@@ -188,6 +188,10 @@ def _check_padding_mask(
         raise ValueError(f"key_padding_mask must have shape {names} = {expected}; "
                          f"got {tuple(key_padding_mask.shape)}")
 
+def _runs_in_rows(real:Tensor) -> Tensor: # bool (b, T), True at a real token
+    "How many runs of real tokens each row holds: 1 when its padding is at its ends."
+    return (real & ~F.pad(real, (1, 0))[:, :-1]).sum(1)  # (b,): runs begun
+
 # name: (the input it reads, or None: the module's own; rule(module, T, S, batch,
 # inputs) -> a part, allowed -> allowed, or None: nothing to add here)
 MultiHeadAttention._mask_rules = {}
@@ -303,6 +307,9 @@ def _check_scale(scale) -> None:
 
 # name: (the keyword inputs it takes, part(module, x, padding, cache, inputs) -> pos.)
 MultiHeadAttention._call_parts = {}
+# name: part(model, token_ids, caches, inputs) -> positions or NotImplemented: what a
+# model built of these blocks does once a call with a later page's input (documents)
+MultiHeadAttention._model_parts = {}
 
 @patch
 def _inputs(self:MultiHeadAttention,

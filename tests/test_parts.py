@@ -2,7 +2,7 @@
 
 Each class of the story is defined once; a page that refines it adds an entry to a dict on the class
 (`MultiHeadAttention._options`, `_mask_rules`, `_score_rules`, `_call_parts`, `_kernel_choices`, `_products`,
-`_position_rules`, `_shown`; `TinyGPT._call_parts`; `KVCache._forget`; `StaticKVCache._kinds`). These tests hold
+`_position_rules`, `_shown`, `_model_parts`, which is `TinyGPT._call_parts`; `KVCache._forget`; `StaticKVCache._kinds`). These tests hold
 the protocol: every method and function is defined once, a part that is there is used, a name no part takes is
 refused by name, and the kinds a cache becomes are the right ones."""
 import ast
@@ -167,3 +167,36 @@ def test_the_traced_forward_keeps_sliding_window_exact():
         windowed = Llama(vocab_size=64, context_length=32, d_model=32, num_heads=4, num_layers=1, window=4).eval()
         windowed.load_state_dict(model.state_dict())
         assert (yours - windowed(ids)).abs().max() < 1e-5
+
+
+def _package_imports(module:str) -> set:
+    "The package modules a module imports (relative imports of the generated file)."
+    tree = ast.parse((PACKAGE / f'{module}.py').read_text())
+    return {node.module for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module}
+
+
+def test_masks_import_no_model_and_no_decoding():
+    "Masks are told about models through parts on the attention: the module imports attention, never a model."
+    assert _package_imports('masks') <= {'core', 'causal', 'multihead'}, _package_imports('masks')
+    assert TinyGPT._call_parts is MultiHeadAttention._model_parts
+    assert 'documents' in MultiHeadAttention._model_parts
+
+
+def _import_module_calls(source:str) -> int:
+    "How many importlib.import_module(...) calls a module's source makes."
+    return sum(1 for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Call)
+               and getattr(node.func, 'attr', getattr(node.func, 'id', '')) == 'import_module')
+
+
+def test_no_module_reaches_another_through_import_module():
+    "Every module that registers a family is imported with the package; none is fetched by name at run time."
+    assert _import_module_calls("importlib.import_module(f'selfattn_nbdev.{later}')") == 1  # the test can fail
+    for path in PACKAGE.glob('*.py'):
+        if path.stem == 'distributed': continue  # it re-imports a user's function in each spawned rank
+        assert _import_module_calls(path.read_text()) == 0, path.name
+    from selfattn_nbdev.pretrained import FAMILIES
+    assert {'qwen3_5_text', 'gemma4_text', 'smollm3'} <= set(FAMILIES)
+    with pytest.raises(AttributeError, match='FAMILIES once the package is imported'):
+        from selfattn_nbdev import pretrained
+        pretrained.LATER_FAMILIES

@@ -137,7 +137,7 @@ def page(nb_name: str) -> str: return re.sub(r'^\d+_', '', nb_name).replace('.ip
 
 def test_sidebar_lists_every_notebook_once_in_three_groups():
     groups = sidebar()
-    assert list(groups) == [None, 'The story', 'Beyond the story', 'Reference'], list(groups)
+    assert list(groups) == [None, 'Foundation', 'The story', 'Beyond the story', 'Reference'], list(groups)
     listed = [nb for nbs in groups.values() for nb in nbs]
     assert sorted(listed) == sorted(p.name for p in NOTEBOOKS), 'every notebook in the sidebar, once'
     assert groups[None] == ['index.ipynb']

@@ -166,7 +166,7 @@ def _output_file(nb: Path) -> str | None:
 def smalldocs_names(proc: Path) -> None:
     """Give each processed notebook the name of its page, as Quarto's `output-file` does.
 
-    nbdev names pages after their notebook without its number prefix (`90_core.ipynb` -> `core.html`), and its
+    nbdev names pages after their notebook without its number prefix (`00_core.ipynb` -> `core.html`), and its
     doc links point there. Quarto reads that from `output-file`; smalldocs does not, so rename the files."""
     sidebar = proc/'sidebar.yml'
     text = sidebar.read_text()

@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from selfattn_nbdev.masks import (and_masks, causal, flex_attend, flex_mode, key_padding, sliding_window,
                                   varlen_attend)  # noqa: E402
-from selfattn_nbdev.modern import repeat_kv  # noqa: E402
+from selfattn_nbdev.gqa_window_rope import repeat_kv  # noqa: E402
 from selfattn_nbdev.multihead import MultiHeadAttention  # noqa: E402
 from selfattn_nbdev.generation import TinyGPT  # noqa: E402
 from selfattn_nbdev.pretrained import GPT2  # noqa: E402

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.benchmark import provenance  # noqa: E402
 from bench.memory_tiled import PeakRSS  # noqa: E402
-from selfattn_nbdev.recent import LlamaAttention  # noqa: E402
+from selfattn_nbdev.llama_attention import LlamaAttention  # noqa: E402
 
 T, D_MODEL, HEADS, KV_HEADS = 2048, 512, 8, 2
 CASES = ('no_sinks', 'sinks', 'sinks_explicit')

@@ -27,7 +27,7 @@ from .multihead import (check_heads, MultiHeadAttentionWrapper,
                                       MultiHeadAttention, to_torch_multihead)
 from .generation import KVCache, TinyGPT
 from .decoding import StaticKVCache, generate, generate_stream, sample_next
-from .modern import repeat_kv, window_mask, rope_angles, apply_rope
+from .gqa_window_rope import repeat_kv, window_mask, rope_angles, apply_rope
 from .masks import (and_masks, attention_kernel, causal, dense_mask,
                                   documents, key_padding, or_masks, sliding_window)
 from .tiled import tiled_attention
@@ -35,6 +35,8 @@ from . import mods as _mods  # MultiHeadAttention's 'block' path
 from .explorer import AttentionExplorer, package_attention
 # the families of later pages: each module adds its line to from_hf's FAMILIES
 from . import hybrid as _hybrid, smollm3 as _smollm3
+import sys as _sys
+from . import gqa_window_rope as modern, llama_attention as recent
 
 _all_ = ['SelfAttention', 'check_tokens', 'check_size', 'check_flag', 'check_count',
          'check_range', 'check_token_ids', 'check_dropout', 'check_context',
@@ -46,3 +48,8 @@ _all_ = ['SelfAttention', 'check_tokens', 'check_size', 'check_flag', 'check_cou
          'causal', 'sliding_window', 'key_padding', 'documents', 'and_masks',
          'or_masks', 'dense_mask', 'attention_kernel', 'tiled_attention',
          'AttentionExplorer', 'package_attention']
+
+# %% ../nbs/index.ipynb #ea012ec9
+# two modules are named for what they hold (GQA, windows and RoPE; the attention of
+# Llama-style models): their old names, from when they appeared, still import them
+_sys.modules.update({'selfattn_nbdev.modern': modern, 'selfattn_nbdev.recent': recent})

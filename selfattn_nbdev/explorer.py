@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from .core import SelfAttention, check_flag
 from .causal import CausalAttention
 from .multihead import MultiHeadAttention
-from .modern import repeat_kv
+from .gqa_window_rope import repeat_kv
 
 # %% ../nbs/91_explorer.ipynb #fb72fdae
 def _matrices(W, name:str, num_heads:int|None, d_in:int) -> Tensor:

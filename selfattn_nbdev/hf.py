@@ -18,8 +18,8 @@ from .masks import (_by_run, _cpu_runs, _in_runs, _runs,
                                   _share_across_blocks, and_masks, causal, dense_mask,
                                   flex_attend, key_padding, pick_kernel,
                                   sliding_window, varlen_attend)
-from .modern import repeat_kv
-from .recent import soft_cap, soft_cap_mod, softmax_with_sink
+from .gqa_window_rope import repeat_kv
+from .llama_attention import soft_cap, soft_cap_mod, softmax_with_sink
 
 # %% ../nbs/17_transformers.ipynb #96dd76bd
 class HFMask(NamedTuple):

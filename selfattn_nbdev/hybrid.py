@@ -18,7 +18,7 @@ from .core import check_flag, check_size, check_token_ids, patch
 from .generation import TinyGPT
 from .multihead import _check_cache
 from .decoding import project
-from .recent import (RESCALINGS, LlamaAttention, _turn_first,
+from .llama_attention import (RESCALINGS, LlamaAttention, _turn_first,
                                    check_rope_scaling, layer_windows, soft_cap)
 from .models import (HF_DEFAULTS, Gemma, GemmaBlock, GemmaRMSNorm, SwiGLU,
                                    _refuse, _rope_of, hf_settings)

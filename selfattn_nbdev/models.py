@@ -28,8 +28,8 @@ from .generation import TinyGPT, TransformerBlock
 from .decoding import project
 from .masks import (_check_mods, _refuse_kernel, block_mask, causal,
                                   dense_mask)
-from .modern import _shared_table, rope_rotate
-from .recent import (LAYER_TYPES, RESCALINGS, LlamaAttention,
+from .gqa_window_rope import _shared_table, rope_rotate
+from .llama_attention import (LAYER_TYPES, RESCALINGS, LlamaAttention,
                                    _rope_cos_sin, check_rope_scaling, check_yarn,
                                    layer_windows, rope_frequencies, soft_cap,
                                    yarn_frequencies, yarn_mscale)

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from .masks import UNFUSED_KERNELS, _refuse_kernel, block_mask
 from .multihead import MultiHeadAttention
-from .modern import repeat_kv
+from .gqa_window_rope import repeat_kv
 from .tiled import tiled_attention
 
 # %% ../nbs/21_mods.ipynb #d1f2d939

@@ -18,7 +18,7 @@ from torch.autograd.function import once_differentiable
 from .causal import causal_mask, check_context
 from .core import check_flag, check_size, check_tokens
 from .distributed import _max_diff
-from .modern import repeat_kv
+from .gqa_window_rope import repeat_kv
 from .multihead import MultiHeadAttention
 from .tiled import (_check_attention_inputs, _check_causal_fits,
                                   _scale_of, _tile_scores, online_softmax_step)

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from .core import check_flag
-from .recent import LlamaAttention
+from .llama_attention import LlamaAttention
 from .models import (HF_DEFAULTS, Llama, _refuse, _rope_of, _setting,
                                    hf_settings, llama_weight_map)
 from .pretrained import FAMILIES

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from .core import check_size
 from .causal import causal_mask, check_dropout
-from .modern import rope_rotate
+from .gqa_window_rope import rope_rotate
 from .models import LatentAttention
 
 # %% ../nbs/19_sparse.ipynb #985f3bbf

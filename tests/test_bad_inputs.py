@@ -18,13 +18,13 @@ import selfattn_nbdev.distributed as D
 import selfattn_nbdev.ring as R  # noqa: E402
 import selfattn_nbdev.masks as M
 import selfattn_nbdev.pretrained as P
-import selfattn_nbdev.recent as RC
+import selfattn_nbdev.llama_attention as RC
 from selfattn_nbdev.explorer import AttentionExplorer, reference_module
 from selfattn_nbdev.generation import CharTokenizer, TinyGPT, TransformerBlock, train_tiny_gpt
 from selfattn_nbdev.decoding import sample_next
 from selfattn_nbdev.decoding import StaticKVCache, generate, generate_stream
-from selfattn_nbdev.modern import check_kv_heads, check_rope, check_window
-from selfattn_nbdev.modern import rope_rotate as R_rope_rotate
+from selfattn_nbdev.gqa_window_rope import check_kv_heads, check_rope, check_window
+from selfattn_nbdev.gqa_window_rope import rope_rotate as R_rope_rotate
 from selfattn_nbdev.tiled import online_softmax, tiled_attention
 from selfattn_nbdev.training import (VOCAB, BankSenseClassifier, accuracy, check_labels, check_sentences,
                                      make_bank_sentences, train_classifier)

@@ -22,7 +22,7 @@ from selfattn_nbdev.pretrained import (GPT2, DeepSeekV3, Gemma, LatentAttention,
                                        gemma_config, llama_config, llama_weight_map, load_hf_state_dict,
                                        read_checkpoint, read_safetensors, save_hf, to_hf_state_dict,
                                        write_safetensors, yarn_frequencies)
-from selfattn_nbdev.recent import LlamaAttention, rope_frequencies
+from selfattn_nbdev.llama_attention import LlamaAttention, rope_frequencies
 
 transformers.utils.logging.set_verbosity_error()
 transformers.utils.logging.disable_progress_bar()

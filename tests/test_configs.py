@@ -17,7 +17,7 @@ from transformers.models.gpt_oss.modeling_gpt_oss import GptOssAttention, GptOss
 import selfattn_nbdev.hybrid  # noqa: E402,F401  registers qwen3_5_text in HF_DEFAULTS
 from selfattn_nbdev.models import HF_DEFAULTS, hf_settings
 from selfattn_nbdev.pretrained import from_hf, save_hf
-from selfattn_nbdev.recent import LlamaAttention
+from selfattn_nbdev.llama_attention import LlamaAttention
 
 transformers.utils.logging.set_verbosity_error()
 transformers.utils.logging.disable_progress_bar()

@@ -252,7 +252,7 @@ def test_release_process_groups_leaves_a_live_group_alone():
 def test_tensor_parallel_refuses_sinks_it_would_not_split():
     "A sink logit per head stayed whole while the heads were split: every forward failed deep in softmax_with_sink."
     from selfattn_nbdev.distributed import check_tp_degree
-    from selfattn_nbdev.recent import LlamaAttention
+    from selfattn_nbdev.llama_attention import LlamaAttention
     with pytest.raises(ValueError, match='not a sink logit per head: sinks=True is not supported'):
         check_tp_degree(LlamaAttention(16, 8, num_heads=4, num_kv_heads=2, sinks=True), 2)
     check_tp_degree(LlamaAttention(16, 8, num_heads=4, num_kv_heads=2, softcap=5.0), 2)   # the cap splits with the heads

@@ -22,7 +22,7 @@ from selfattn_nbdev.hybrid import (GatedAttention, HybridCache, Qwen35, hybrid_l
 from selfattn_nbdev.linear import GatedDeltaNet  # noqa: E402
 from selfattn_nbdev.models import GemmaRMSNorm  # noqa: E402
 from selfattn_nbdev.pretrained import from_hf  # noqa: E402
-from selfattn_nbdev.recent import LlamaAttention  # noqa: E402
+from selfattn_nbdev.llama_attention import LlamaAttention  # noqa: E402
 from selfattn_nbdev.sparse import Indexer, sparse_attention, topk_indices  # noqa: E402
 
 transformers.logging.set_verbosity_error()  # "flash-linear-attention is not installed"

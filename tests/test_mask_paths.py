@@ -166,7 +166,7 @@ def test_packed_documents_equal_documents_alone(path, options):
         if m.rope:
             cos, sin = m._rope_table(x.shape[1], q)
             pos = document_positions(ids)
-            from selfattn_nbdev.modern import rope_rotate
+            from selfattn_nbdev.gqa_window_rope import rope_rotate
             q, k = (rope_rotate(t, cos[pos][:, None], sin[pos][:, None]) for t in (q, k))
         group = m.num_heads // m.num_kv_heads
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from selfattn_nbdev import KVCache, MultiHeadAttention, leaks_future
-from selfattn_nbdev.modern import apply_rope, repeat_kv, rope_angles, window_mask
+from selfattn_nbdev.gqa_window_rope import apply_rope, repeat_kv, rope_angles, window_mask
 
 TOL = {torch.float32: 2e-5, torch.float64: 1e-12}
 
@@ -214,7 +214,7 @@ def test_a_models_blocks_share_one_rope_table_while_it_lives():
     by the blocks that need the same one (a Llama-1B-sized context of 131,072 positions took 16 copies, 1 GiB), and
     freed with the model. Gemma's sliding and global blocks have different bases, so two tables."""
     import gc
-    from selfattn_nbdev import modern
+    from selfattn_nbdev import gqa_window_rope as modern
     from selfattn_nbdev.generation import TinyGPT
     from selfattn_nbdev.models import Gemma, Llama
     torch.manual_seed(0)

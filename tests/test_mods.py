@@ -13,7 +13,7 @@ import selfattn_nbdev  # noqa: F401  (every module, so every later version is in
 from selfattn_nbdev import masks as M
 from selfattn_nbdev.masks import and_masks, attention_kernel, causal, documents, pick_kernel
 from selfattn_nbdev.multihead import MultiHeadAttention
-from selfattn_nbdev.recent import LlamaAttention
+from selfattn_nbdev.llama_attention import LlamaAttention
 from selfattn_nbdev.tiled import alibi, alibi_slopes
 
 B, T, D, H, KV = 2, 24, 16, 4, 2

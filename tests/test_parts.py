@@ -16,7 +16,7 @@ from selfattn_nbdev import generation
 from selfattn_nbdev.decoding import StaticKVCache, generate
 from selfattn_nbdev.generation import KVCache, TinyGPT
 from selfattn_nbdev.masks import sliding_window
-from selfattn_nbdev.modern import RingKVCache
+from selfattn_nbdev.gqa_window_rope import RingKVCache
 from selfattn_nbdev.multihead import MultiHeadAttention
 
 PACKAGE = Path(selfattn_nbdev.__file__).parent
@@ -200,3 +200,16 @@ def test_no_module_reaches_another_through_import_module():
     with pytest.raises(AttributeError, match='FAMILIES once the package is imported'):
         from selfattn_nbdev import pretrained
         pretrained.LATER_FAMILIES
+
+
+def test_modules_are_named_for_what_they_hold_and_old_names_still_import():
+    "modern and recent were named for when they appeared; they import as gqa_window_rope and llama_attention."
+    import subprocess, sys
+    names = sorted(p.stem for p in PACKAGE.glob('*.py'))
+    assert 'modern' not in names and 'recent' not in names and {'gqa_window_rope', 'llama_attention'} <= set(names)
+    code = ("import selfattn_nbdev.modern as m, selfattn_nbdev.recent as r\n"
+            "from selfattn_nbdev.modern import RingKVCache\nfrom selfattn_nbdev.recent import LlamaAttention\n"
+            "print(m.__name__, r.__name__, RingKVCache.__module__, LlamaAttention.__module__)")
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ['selfattn_nbdev.gqa_window_rope', 'selfattn_nbdev.llama_attention',
+                                  'selfattn_nbdev.gqa_window_rope', 'selfattn_nbdev.llama_attention'], out.stderr

@@ -109,7 +109,7 @@ def test_context_parallel_refuses_scores_the_ring_does_not_compute():
     """The ring computes plain softmax attention: a soft cap or sink logits would be dropped, silently wrong (0.05, 0.8);
     so would a window or dropout."""
     from selfattn_nbdev import MultiHeadAttention
-    from selfattn_nbdev.recent import LlamaAttention
+    from selfattn_nbdev.llama_attention import LlamaAttention
     from selfattn_nbdev.ring import context_parallel, sequence_chunks, shard_sequence
     x = torch.randn(1, 8, 16)
     with pytest.raises(ValueError, match='without softcap; got softcap=1.0'):

@@ -10,7 +10,7 @@ from selfattn_nbdev.generation import KVCache
 from selfattn_nbdev.masks import (and_masks, causal, dense_mask, documents, flex_mode, key_padding,
                                   sliding_window)
 from selfattn_nbdev.masks import block_mask as make_block_mask
-from selfattn_nbdev.recent import LlamaAttention, soft_cap, soft_cap_mod, softmax_with_sink
+from selfattn_nbdev.llama_attention import LlamaAttention, soft_cap, soft_cap_mod, softmax_with_sink
 from selfattn_nbdev.tiled import alibi, alibi_slopes, tiled_attention
 
 

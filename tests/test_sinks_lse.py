@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from selfattn_nbdev.generation import KVCache
-from selfattn_nbdev.recent import LlamaAttention, sink_after, softmax_with_sink
+from selfattn_nbdev.llama_attention import LlamaAttention, sink_after, softmax_with_sink
 from selfattn_nbdev.tiled import tiled_attention
 
 T, D = 70, 32   # more than one tile of SINK_BLOCK (64), and a short last tile
@@ -190,7 +190,7 @@ def test_shared_keys_broadcast_like_repeated_ones():
 @pytest.fixture
 def as_on_a_gpu(monkeypatch):
     "The GPU's choice on this CPU: sinks through SDPA with one more key (no tiled kernel), counted."
-    from selfattn_nbdev import recent
+    from selfattn_nbdev import llama_attention as recent
     calls, real = [], recent.sinks_by_sdpa
     monkeypatch.setattr(LlamaAttention, '_sinks_by_sdpa', lambda self, q, score_mod:
                         score_mod is None and self.softcap is None)
@@ -223,7 +223,7 @@ def test_sinks_by_sdpa_with_padding_documents_and_a_cache(monkeypatch, as_on_a_g
 
 def test_sinks_by_sdpa_pads_the_head_to_a_multiple_of_eight():
     "One more number for the sink's score, then zeros to a multiple of 8 (the fused kernels' widths)."
-    from selfattn_nbdev.recent import sinks_by_sdpa
+    from selfattn_nbdev.llama_attention import sinks_by_sdpa
     for hd in (7, 8, 64):
         q = torch.randn(1, 2, 5, hd, dtype=torch.float64)
         k, v = torch.randn(2, 1, 1, 5, hd, dtype=torch.float64).unbind(0)

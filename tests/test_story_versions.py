@@ -16,7 +16,7 @@ from selfattn_nbdev.decoding import StaticKVCache
 from selfattn_nbdev.generation import KVCache, TinyGPT
 from selfattn_nbdev.multihead import MultiHeadAttention
 
-PAGES = ['multihead', 'generation', 'decoding', 'modern', 'masks']  # the reading order of the modules that grow
+PAGES = ['multihead', 'generation', 'decoding', 'gqa_window_rope', 'masks']  # the reading order of the modules that grow
 HOME = {MultiHeadAttention: 'multihead', TinyGPT: 'generation', KVCache: 'generation', StaticKVCache: 'decoding'}
 PARTS = [(MultiHeadAttention, name) for name in ('_position_rules', '_shown', '_options', '_mask_rules', '_score_rules',
                                                  '_call_parts', '_kernel_choices', '_products')]
@@ -121,12 +121,12 @@ def test_the_batches_page_static_cache():
 @pytest.mark.parametrize('options', [dict(num_kv_heads=1), dict(window=3), dict(rope=True),
                                      dict(num_kv_heads=1, window=3, rope=True)])
 def test_the_modern_page_module_is_the_final_one(options):
-    story, final = _pair('modern', **options)
+    story, final = _pair('gqa_window_rope', **options)
     x = torch.randn(2, 9, 8, dtype=torch.float64)
     pad = torch.zeros(2, 9, dtype=torch.bool); pad[1, :2] = True
     with torch.no_grad():
         expected = [final(x), final(x, key_padding_mask=pad, return_attn_weights=True)[0]]
-        with as_of('modern'):
+        with as_of('gqa_window_rope'):
             got = [story(x), story(x, key_padding_mask=pad, return_attn_weights=True)[0]]
             for cache in (KVCache(), StaticKVCache(12)):
                 steps = torch.cat([story(x[:, :4], cache=cache)] + [story(x[:, t:t + 1], cache=cache)
@@ -139,7 +139,7 @@ def test_the_modern_page_tiny_gpt():
     torch.manual_seed(0)
     final = TinyGPT(11, 32, d_model=16, num_heads=2, rope=True).eval()
     tokens = torch.randint(0, 11, (2, 7))
-    with as_of('modern'):
+    with as_of('gqa_window_rope'):
         torch.manual_seed(0)
         story = TinyGPT(11, 32, d_model=16, num_heads=2, rope=True).eval()
         assert story.pos_emb is None

@@ -13,7 +13,7 @@ from selfattn_nbdev.generation import TinyGPT
 from selfattn_nbdev.masks import (and_masks, causal, dense_mask, documents, key_padding, sliding_window, unpad,
                                   varlen_attend, varlen_runs)
 from selfattn_nbdev.pretrained import Gemma, Llama
-from selfattn_nbdev.recent import LlamaAttention
+from selfattn_nbdev.llama_attention import LlamaAttention
 
 from test_mask_paths import _fake_varlen
 

@@ -19,7 +19,7 @@ from .core import check_flag, check_size, patch
 from .causal import causal_mask
 from .masks import block_mask
 from .multihead import MultiHeadAttention
-from .modern import _shared_table, repeat_kv, rope_rotate
+from .gqa_window_rope import _shared_table, repeat_kv, rope_rotate
 from .tiled import tiled_attention
 
 # %% ../nbs/12_recent.ipynb #a1f3c001

@@ -18,6 +18,7 @@ import math
 import threading
 import warnings
 import contextlib
+import contextvars
 from typing import Callable, NamedTuple
 
 import torch
@@ -505,6 +506,24 @@ def _in_runs(
     context[runs.real] = packed
     return context.transpose(1, 2)                                    # (b, h, T, hd)
 
+# %% ../nbs/10_masks.ipynb #ca0f4f0f
+# a model's forward: {(mask_mod, T, S, batch, heads, device): its dense mask}; None
+# outside one, where every call builds its own (a mask_mod may read a tensor that
+# changes between calls, never during one)
+_FORWARD_MASKS = contextvars.ContextVar('forward_masks', default=None)
+
+def _dense_once(mask_mod:Callable, num_tokens:int, num_keys:int, batch:int, heads:int,
+                device) -> Tensor: # bool (b, heads, T, S), True = attend
+    "`dense_mask`, kept for the other blocks of the model's forward that asks again."
+    masks = None if torch.compiler.is_compiling() else _FORWARD_MASKS.get()
+    key = (mask_mod, num_tokens, num_keys, batch, heads, str(device))
+    if masks is None or key not in masks:
+        allowed = dense_mask(mask_mod, num_tokens, num_keys, batch, heads,
+                             device=device)
+        if masks is None: return allowed
+        masks[key] = allowed
+    return masks[key]
+
 # %% ../nbs/10_masks.ipynb #53653628
 def _check_document_ids(
     document_ids, # None, or what the caller passed as document_ids
@@ -551,8 +570,8 @@ def _mask_mod_rule(m:MultiHeadAttention, num_tokens:int, num_keys:int, batch:int
     "A caller's mask_mod, asked about every query head, in place of causal or window."
     mask_mod = mask_inputs.get('mask_mod')
     if mask_mod is None: return None
-    yours = dense_mask(mask_mod, num_tokens, num_keys, batch, m.num_heads,  # (b, h,
-                       device=m.W_query.weight.device)                      #  T, S)
+    yours = _dense_once(mask_mod, num_tokens, num_keys, batch, m.num_heads,  # (b, h,
+                        m.W_query.weight.device)  # T, S): once a model's forward
     return lambda allowed: yours  # the module's causal or window mask: not asked
 
 # after the window: a mask_mod takes the place of causal and window; documents join
@@ -810,6 +829,27 @@ def _masks_part(
 MultiHeadAttention._call_parts['masks'] = (('document_ids', 'mask_mod', 'score_mod'),
                                            _masks_part)  # _inputs asks it
 MultiHeadAttention._kernel_choices['masks'] = '_attend_masked'  # a whole sequence
+
+# %% ../nbs/10_masks.ipynb #4310c513
+def _end_forward_masks(model, args, kwargs, output): _FORWARD_MASKS.set(None)
+
+def _forward_masks_part(
+    model:torch.nn.Module, # the model called: a TinyGPT, or one built like it
+    token_ids:Tensor, caches:list|None, # not read
+    attn_inputs:dict, # the call's inputs: a mask_mod, if any
+): # NotImplemented: the positions are another part's, or the model's own
+    "With a mask_mod, a scope for this forward in which its blocks share dense masks."
+    if attn_inputs.get('mask_mod') is None or torch.compiler.is_compiling():
+        return NotImplemented
+    if not getattr(model, '_ends_forward_masks', False):  # closed after each forward
+        model.register_forward_hook(_end_forward_masks, with_kwargs=True,
+                                    always_call=True)
+        model._ends_forward_masks = True
+    _FORWARD_MASKS.set({})
+    return NotImplemented
+
+# first: it answers no positions, and the documents' part below may
+MultiHeadAttention._model_parts['forward_masks'] = _forward_masks_part
 
 # %% ../nbs/10_masks.ipynb #15ed15b8
 def _documents_call_part(

@@ -213,3 +213,42 @@ def test_modules_are_named_for_what_they_hold_and_old_names_still_import():
     out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ['selfattn_nbdev.gqa_window_rope', 'selfattn_nbdev.llama_attention',
                                   'selfattn_nbdev.gqa_window_rope', 'selfattn_nbdev.llama_attention'], out.stderr
+
+
+def _llama(num_layers=4):
+    from selfattn_nbdev.models import Llama
+    torch.manual_seed(0)
+    return Llama(vocab_size=64, context_length=64, d_model=32, num_heads=4, num_layers=num_layers).eval()
+
+
+def test_a_models_forward_builds_a_mask_mods_dense_mask_once(monkeypatch):
+    "The model builds the mask once a forward and its blocks read it: one dense_mask for four blocks, same logits."
+    from selfattn_nbdev import masks
+    model, ids, window = _llama(), torch.randint(0, 64, (2, 24)), sliding_window(5)
+    with torch.no_grad(): shared = model(ids, mask_mod=window)
+    built, real = [], masks.dense_mask
+    monkeypatch.setattr(masks, 'dense_mask', lambda *a, **k: built.append(a[1:3]) or real(*a, **k))
+    with torch.no_grad(): model(ids, mask_mod=window)
+    assert built == [(24, 24)], built
+    assert masks._FORWARD_MASKS.get() is None  # closed when the forward returned
+    monkeypatch.delitem(MultiHeadAttention._model_parts, 'forward_masks')  # every block its own
+    built.clear()
+    with torch.no_grad(): alone = model(ids, mask_mod=window)
+    assert len(built) == 4 and torch.equal(shared, alone)
+
+
+def test_nothing_is_kept_from_one_forward_to_the_next():
+    "A mask_mod that reads a tensor: changed between two calls, the second call sees the change."
+    from selfattn_nbdev import masks
+    model, ids = _llama(2), torch.randint(0, 64, (1, 12))
+    reach = torch.tensor(3)
+    def near(b, h, q_idx, kv_idx): return (q_idx >= kv_idx) & (q_idx - kv_idx < reach)
+    with torch.no_grad():
+        first = model(ids, mask_mod=near)
+        reach.fill_(12)
+        second, causal_only = model(ids, mask_mod=near), model(ids)
+    assert not torch.allclose(first, second) and torch.allclose(second, causal_only, atol=1e-5)
+    with pytest.raises(ValueError), torch.no_grad():
+        model(torch.randint(0, 64, (1, 80)), mask_mod=near)  # longer than the context: refused
+    assert masks._FORWARD_MASKS.get() is None  # a forward that raised closes its scope too
+    assert len(model._forward_hooks) == 1  # one hook, however many calls

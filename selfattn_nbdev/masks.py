@@ -695,10 +695,14 @@ def _attend_flex(self:MultiHeadAttention, queries, keys, values, key_padding_mas
     form = (None if mask_mod is not None else  # yours: built for this call only
             ('window', self.causal, self.window) if plain else
             ('batch', self.causal, self.window))
+    reads = () if plain else (key_padding_mask, document_ids)
+    forward = _FORWARD_MASKS.get()  # a model's forward: its blocks share your mask
+    if mask_mod is not None and plain and forward and not torch.compiler.is_compiling():
+        form, reads = ('yours', mask_mod, self.num_heads), (forward['token'],)
     predicate = self._mask_mod(key_padding_mask, document_ids, mask_mod)
     return flex_attend(queries, keys, values, predicate or _everywhere, form,
                        compiled=compiled, score_mod=self._score_mod(score_mod),
-                       reads=() if plain else (key_padding_mask, document_ids),
+                       reads=reads,
                        heads=None if mask_mod is None else self.num_heads)
 
 # kernels of the unfused path by name, (module, q, k, v, key_padding_mask,
@@ -845,7 +849,7 @@ def _forward_masks_part(
         model.register_forward_hook(_end_forward_masks, with_kwargs=True,
                                     always_call=True)
         model._ends_forward_masks = True
-    _FORWARD_MASKS.set({})
+    _FORWARD_MASKS.set({'token': _share_across_blocks(torch.zeros(()))})  # Flex's
     return NotImplemented
 
 # first: it answers no positions, and the documents' part below may

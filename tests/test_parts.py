@@ -252,3 +252,17 @@ def test_nothing_is_kept_from_one_forward_to_the_next():
         model(torch.randint(0, 64, (1, 80)), mask_mod=near)  # longer than the context: refused
     assert masks._FORWARD_MASKS.get() is None  # a forward that raised closes its scope too
     assert len(model._forward_hooks) == 1  # one hook, however many calls
+
+
+def test_a_models_forward_builds_a_mask_mods_block_mask_once(monkeypatch):
+    "FlexAttention too: one block mask of your mask_mod for the four blocks of a forward, rebuilt the next forward."
+    import torch.nn.attention.flex_attention as flex
+    from selfattn_nbdev.masks import attention_kernel
+    model, ids, window = _llama(), torch.randint(0, 64, (1, 24)), sliding_window(5)
+    with torch.no_grad(): dense = model(ids, mask_mod=window)
+    built, real = [], flex.create_block_mask
+    monkeypatch.setattr(flex, 'create_block_mask', lambda *a, **k: built.append(a[3:5]) or real(*a, **k))
+    with torch.no_grad(), attention_kernel('flex_eager'):
+        first, second = model(ids, mask_mod=window), model(ids, mask_mod=window)
+    assert built == [(24, 24), (24, 24)], built   # one a forward
+    assert torch.allclose(first, dense, atol=1e-5) and torch.equal(first, second)

@@ -221,13 +221,19 @@ def _llama(num_layers=4):
     return Llama(vocab_size=64, context_length=64, d_model=32, num_heads=4, num_layers=num_layers).eval()
 
 
+def _count_calls(monkeypatch, owner, name:str, sizes:slice) -> list:
+    "Replace owner.name by a wrapper that records the sizes of each call's arguments."
+    built, real = [], getattr(owner, name)
+    monkeypatch.setattr(owner, name, lambda *a, **k: built.append(a[sizes]) or real(*a, **k))
+    return built
+
+
 def test_a_models_forward_builds_a_mask_mods_dense_mask_once(monkeypatch):
     "The model builds the mask once a forward and its blocks read it: one dense_mask for four blocks, same logits."
     from selfattn_nbdev import masks
     model, ids, window = _llama(), torch.randint(0, 64, (2, 24)), sliding_window(5)
     with torch.no_grad(): shared = model(ids, mask_mod=window)
-    built, real = [], masks.dense_mask
-    monkeypatch.setattr(masks, 'dense_mask', lambda *a, **k: built.append(a[1:3]) or real(*a, **k))
+    built = _count_calls(monkeypatch, masks, 'dense_mask', slice(1, 3))
     with torch.no_grad(): model(ids, mask_mod=window)
     assert built == [(24, 24)], built
     assert masks._FORWARD_MASKS.get() is None  # closed when the forward returned
@@ -260,8 +266,7 @@ def test_a_models_forward_builds_a_mask_mods_block_mask_once(monkeypatch):
     from selfattn_nbdev.masks import attention_kernel
     model, ids, window = _llama(), torch.randint(0, 64, (1, 24)), sliding_window(5)
     with torch.no_grad(): dense = model(ids, mask_mod=window)
-    built, real = [], flex.create_block_mask
-    monkeypatch.setattr(flex, 'create_block_mask', lambda *a, **k: built.append(a[3:5]) or real(*a, **k))
+    built = _count_calls(monkeypatch, flex, 'create_block_mask', slice(3, 5))
     with torch.no_grad(), attention_kernel('flex_eager'):
         first, second = model(ids, mask_mod=window), model(ids, mask_mod=window)
     assert built == [(24, 24), (24, 24)], built   # one a forward

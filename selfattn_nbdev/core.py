@@ -92,6 +92,8 @@ def check_range(
     if not ok: raise ValueError(f"{name} must be a number in {interval}; got {value!r}")
 
 # %% ../nbs/00_core.ipynb #a2cfc54c
+_ID_SHAPES = {1: "(num_tokens,)", 2: "(batch, num_tokens)"}  # by number of dims
+
 def check_token_ids(
     token_ids,       # the ids given
     vocab_size:int,  # ids must be in [0, vocab_size)
@@ -101,7 +103,7 @@ def check_token_ids(
     always:bool=False,    # read the values on a GPU too (it waits): a prompt, once
 ) -> None:
     "Check `token_ids`: int64 or int32 with `dims` dims, values in [0, vocab_size)."
-    shapes = " or ".join(["(num_tokens,)", "(batch, num_tokens)"][d - 1] for d in dims)
+    shapes = " or ".join(map(_ID_SHAPES.get, dims))  # for the messages
     if not isinstance(token_ids, Tensor):
         raise TypeError(f"{name} must be an integer tensor of shape {shapes}; "
                         f"got {type(token_ids).__name__}")

@@ -7,7 +7,7 @@ __all__ = ['EMPTY', 'PARTIAL', 'FULL', 'FLEX_MODES', 'FLEX_MIN_TOKENS', 'FLEX_SH
            'RUNS_MAX', 'RUN_WORTH', 'BLOCK_MIN_PAIRS', 'KERNELS', 'FLEX_RECOMPILE_LIMIT', 'UNFUSED_KERNELS', 'causal',
            'sliding_window', 'key_padding', 'documents', 'document_positions', 'and_masks', 'or_masks', 'dense_mask',
            'TileMask', 'block_mask', 'flex_mode', 'attention_kernel', 'pick_kernel', 'flex_attend', 'VarlenRuns',
-           'varlen_runs', 'varlen_attend', 'Unpadded', 'unpad']
+           'varlen_runs', 'varlen_attend', 'shared_masks', 'Unpadded', 'unpad']
 
 # %% ../nbs/10_masks.ipynb #m19c0002
 import collections
@@ -835,6 +835,10 @@ MultiHeadAttention._call_parts['masks'] = (('document_ids', 'mask_mod', 'score_m
 MultiHeadAttention._kernel_choices['masks'] = '_attend_masked'  # a whole sequence
 
 # %% ../nbs/10_masks.ipynb #4310c513
+def _open_forward_masks(): # the scope's masks, and a token for FlexAttention's reuse
+    "A new scope: `_dense_once` keeps masks in it, `_attend_flex` shares by its token."
+    return _FORWARD_MASKS.set({'token': _share_across_blocks(torch.zeros(()))})
+
 def _end_forward_masks(model, args, kwargs, output): _FORWARD_MASKS.set(None)
 
 def _forward_masks_part(
@@ -849,11 +853,19 @@ def _forward_masks_part(
         model.register_forward_hook(_end_forward_masks, with_kwargs=True,
                                     always_call=True)
         model._ends_forward_masks = True
-    _FORWARD_MASKS.set({'token': _share_across_blocks(torch.zeros(()))})  # Flex's
+    _open_forward_masks()
     return NotImplemented
 
 # first: it answers no positions, and the documents' part below may
 MultiHeadAttention._model_parts['forward_masks'] = _forward_masks_part
+
+# %% ../nbs/10_masks.ipynb #1dfd43cb
+@contextlib.contextmanager
+def shared_masks():
+    "A scope in which attention calls with the same mask_mod and sizes share its mask."
+    token = _open_forward_masks()
+    try: yield
+    finally: _FORWARD_MASKS.reset(token)  # the scope around it, if any, again
 
 # %% ../nbs/10_masks.ipynb #15ed15b8
 def _documents_call_part(

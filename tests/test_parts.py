@@ -271,3 +271,21 @@ def test_a_models_forward_builds_a_mask_mods_block_mask_once(monkeypatch):
         first, second = model(ids, mask_mod=window), model(ids, mask_mod=window)
     assert built == [(24, 24), (24, 24)], built   # one a forward
     assert torch.allclose(first, dense, atol=1e-5) and torch.equal(first, second)
+
+
+def test_shared_masks_for_a_model_of_your_own(monkeypatch):
+    "shared_masks: four MultiHeadAttention layers of your own build one dense mask; outside it, one each."
+    from selfattn_nbdev import masks
+    torch.manual_seed(0)
+    stack = [MultiHeadAttention(16, 16, 32, num_heads=4).eval() for _ in range(4)]
+    x, window = torch.randn(2, 12, 16), sliding_window(3)
+    def run():
+        h = x
+        for layer in stack: h = h + layer(h, mask_mod=window)
+        return h
+    built = _count_calls(monkeypatch, masks, 'dense_mask', slice(1, 3))
+    with torch.no_grad():
+        with masks.shared_masks(): inside = run()
+        assert len(built) == 1 and masks._FORWARD_MASKS.get() is None
+        outside = run()
+    assert len(built) == 5 and torch.equal(inside, outside)

@@ -151,6 +151,11 @@ class HybridBlock(nn.Module):
                ) -> Tensor: # (b, num_tokens, d_model)
         "Mix the tokens, add; transform each token, add. Padding never enters a state."
         if self.linear:
+            if mods.get("mask_mod") is not None:
+                raise ValueError("Qwen35 takes no mask_mod: its Gated DeltaNet "
+                                 "blocks are causal by their recurrence, so a mask "
+                                 "would reach only one block in four; score_mod and "
+                                 "scale reach the attention blocks")
             real = None if cache is None else cache.real_tokens(x.shape[1], x.device)
             mixed = self.attn(self.norm1(x), cache=cache, attention_mask=real,
                               document_ids=mods.get("document_ids"))  # each alone
@@ -235,24 +240,6 @@ def new_caches(self:Qwen35,
     kv = TinyGPT.new_caches(self, capacity, pads)   # checks capacity and pads
     return [HybridCache(pads) if block.linear else cache
             for block, cache in zip(self.blocks, kv)]
-
-@patch
-def forward(self:Qwen35,
-            token_ids:Tensor, # (b, num_tokens): all tokens, or only the new ones
-            caches:list|None=None, # from `new_caches`: token_ids are the new ones
-            **mods, # score_mod, scale: for the gated-attention blocks
-           ) -> Tensor: # next-token logits, (b, num_tokens, vocab_size)
-    "Scores for the token that follows each position; with caches, of the new ones."
-    self._check_call(token_ids, caches)                     # folded below
-    if mods.get("mask_mod") is not None:
-        raise ValueError("Qwen35 takes no mask_mod: its Gated DeltaNet blocks are "
-                         "causal by their recurrence, so a mask would reach only one "
-                         "block in four; score_mod and scale reach the attention "
-                         "blocks")
-    x = self.token_emb(token_ids)                           # (b, T, d_model)
-    for i, block in enumerate(self.blocks):
-        x = block(x, None if caches is None else caches[i], **mods)  # (b, T, d)
-    return self.head(self.norm(x))                          # (b, T, vocab_size)
 
 # %% ../nbs/20_hybrid.ipynb #33b1ced1
 @patch

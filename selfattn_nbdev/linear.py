@@ -348,6 +348,11 @@ class RecurrentCache:
         conv, state = (None if t is None else tuple(t.shape)
                        for t in (self.conv, self.state))
         return f"RecurrentCache(seen={self.seen}, conv={conv}, state={state})"
+    @property
+    def num_seen(self) -> int: return self.seen  # as every cache of the package says it
+    def positions(self, num_new:int, device=None) -> Tensor: # (1, num_new)
+        "Where the new tokens stand: after the ones seen, as a KV cache answers."
+        return torch.arange(self.seen, self.seen + num_new, device=device)[None]
     def check(self, b:int, conv_shape:tuple, state_shape:tuple):
         "Raise unless the held window and state fit a batch of b rows of this layer."
         if self.conv is None: return

@@ -289,3 +289,25 @@ def test_shared_masks_for_a_model_of_your_own(monkeypatch):
         assert len(built) == 1 and masks._FORWARD_MASKS.get() is None
         outside = run()
     assert len(built) == 5 and torch.equal(inside, outside)
+
+
+def test_every_cache_says_how_many_tokens_it_has_seen_and_where_the_next_stand():
+    """The cache protocol every cache keeps: num_seen, and positions(num_new) after them. KV caches (growing,
+    static, ring, shared and its source) also check_new_tokens and update; recurrent ones hold a state."""
+    from selfattn_nbdev.hybrid import Gemma4, Qwen35
+    torch.manual_seed(0)
+    tiny = TinyGPT(64, 32, d_model=16, num_heads=2, num_layers=2)
+    windowed = TinyGPT(64, 32, d_model=16, num_heads=2, num_layers=2, window=4, rope=True)
+    qwen = Qwen35(64, 32, 16, 2, 4, 1, 24, 8, linear_num_key_heads=2, linear_num_value_heads=2,
+                  linear_key_head_dim=8, linear_value_head_dim=8)
+    gemma = Gemma4(64, 32, 16, 2, 4, 1, 24, 8, layer_types=['sliding_attention', 'full_attention'] * 2,
+                   window=4, num_kv_shared_layers=2)
+    kinds = set()
+    for model, capacity in [(tiny, None), (tiny, 32), (windowed, 32), (qwen, None), (gemma, None)]:
+        caches, ids = model.new_caches(capacity), torch.randint(0, 64, (1, 6))
+        with torch.no_grad(): model.eval()(ids, caches)
+        for cache in caches:
+            kinds.add(type(cache).__name__)
+            assert cache.num_seen == 6, (type(cache).__name__, cache.num_seen)
+            assert torch.equal(cache.positions(2), torch.tensor([[6, 7]])), type(cache).__name__
+    assert kinds == {'KVCache', 'StaticKVCache', 'RingKVCache', 'HybridCache', 'KVSource', 'SharedKV'}, kinds

@@ -151,12 +151,20 @@ def checked(obj):
 def _size_rule(given, name): check_size(given[name], name)
 def _flag_rule(given, name): check_flag(given[name], name)
 
+def _first_weight(module): # its own first parameter, else its first child's
+    "The weights an input must match: looked up without walking the whole module."
+    for part in (module, *module._modules.values()):
+        for weight in part._parameters.values():
+            if weight is not None: return weight
+    return next(module.parameters(), None)
+
 def _tokens_rule(given, name): # x of a module: its width d_in, its weights' dtype
     "Tokens `(T, d_in)` or `(b, T, d_in)`: a module's width, dtype and device."
-    module = given.get('self')
-    weight = None if module is None else next(module.parameters(), None)
-    width = getattr(module, 'd_in', None) or getattr(getattr(module, 'attn', None),
-                                                     'd_in', None)  # a block's
+    module, width, weight = given.get('self'), None, None
+    if module is not None:  # a block says its attention's width
+        width = module.__dict__.get('d_in',
+                                    getattr(module._modules.get('attn'), 'd_in', None))
+        weight = _first_weight(module)
     check_tokens(given[name], width, None if weight is None else weight.dtype,
                  None if weight is None else weight.device, name)
 

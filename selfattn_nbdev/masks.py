@@ -859,14 +859,6 @@ def _forward_masks_part(
 # first: it answers no positions, and the documents' part below may
 MultiHeadAttention._model_parts['forward_masks'] = _forward_masks_part
 
-# %% ../nbs/10_masks.ipynb #1dfd43cb
-@contextlib.contextmanager
-def shared_masks():
-    "A scope in which attention calls with the same mask_mod and sizes share its mask."
-    token = _open_forward_masks()
-    try: yield
-    finally: _FORWARD_MASKS.reset(token)  # the scope around it, if any, again
-
 # %% ../nbs/10_masks.ipynb #15ed15b8
 def _documents_call_part(
     model:torch.nn.Module, # the model called: a TinyGPT, or one built like it
@@ -894,6 +886,14 @@ def _documents_call_part(
     return positions
 
 MultiHeadAttention._model_parts['documents'] = _documents_call_part  # TinyGPT's too
+
+# %% ../nbs/10_masks.ipynb #1dfd43cb
+@contextlib.contextmanager
+def shared_masks():
+    "A scope in which attention calls with the same mask_mod and sizes share its mask."
+    token = _open_forward_masks()
+    try: yield
+    finally: _FORWARD_MASKS.reset(token)  # the scope around it, if any, again
 
 # %% ../nbs/10_masks.ipynb #2af85862
 def _check_lead(t, lead:tuple, name:str) -> None:

@@ -839,7 +839,10 @@ def _open_forward_masks(): # the scope's masks, and a token for FlexAttention's 
     "A new scope: `_dense_once` keeps masks in it, `_attend_flex` shares by its token."
     return _FORWARD_MASKS.set({'token': _share_across_blocks(torch.zeros(()))})
 
-def _end_forward_masks(model, args, kwargs, output): _FORWARD_MASKS.set(None)
+def _end_forward_masks(model, args, kwargs, output): # after every forward: the
+    "The scope this forward opened, closed: the one around it (or none) again."
+    opened = model.__dict__['_forward_masks_tokens']    # a list, one a forward in it
+    if opened: _FORWARD_MASKS.reset(opened.pop())
 
 def _forward_masks_part(
     model:torch.nn.Module, # the model called: a TinyGPT, or one built like it
@@ -849,11 +852,12 @@ def _forward_masks_part(
     "With a mask_mod, a scope for this forward in which its blocks share dense masks."
     if attn_inputs.get('mask_mod') is None or torch.compiler.is_compiling():
         return NotImplemented
-    if not getattr(model, '_ends_forward_masks', False):  # closed after each forward
+    if '_forward_masks_tokens' not in model.__dict__:  # the model's first such call:
         model.register_forward_hook(_end_forward_masks, with_kwargs=True,
-                                    always_call=True)
-        model._ends_forward_masks = True
-    _open_forward_masks()
+                                    always_call=True)  # it runs from the next call
+        model._forward_masks_tokens = []  # on, so this one opens no scope
+        return NotImplemented
+    model._forward_masks_tokens.append(_open_forward_masks())
     return NotImplemented
 
 # first: it answers no positions, and the documents' part below may

@@ -311,3 +311,19 @@ def test_every_cache_says_how_many_tokens_it_has_seen_and_where_the_next_stand()
             assert cache.num_seen == 6, (type(cache).__name__, cache.num_seen)
             assert torch.equal(cache.positions(2), torch.tensor([[6, 7]])), type(cache).__name__
     assert kinds == {'KVCache', 'StaticKVCache', 'RingKVCache', 'HybridCache', 'KVSource', 'SharedKV'}, kinds
+
+
+def test_a_models_forward_inside_shared_masks_leaves_the_outer_scope_open(monkeypatch):
+    "The forward's scope closes back to the one around it: a layer called after the model still shares its mask."
+    from selfattn_nbdev import masks
+    model, ids, window = _llama(2), torch.randint(0, 64, (1, 12)), sliding_window(3)
+    layer, x = MultiHeadAttention(16, 16, 32, num_heads=4).eval(), torch.randn(2, 12, 16)  # batch 2: a new mask
+    with torch.no_grad(), masks.shared_masks():
+        outer = masks._FORWARD_MASKS.get()
+        for _ in range(2):  # the first call adds the hook that closes the later ones
+            model(ids, mask_mod=window)
+            assert masks._FORWARD_MASKS.get() is outer
+        built = _count_calls(monkeypatch, masks, 'dense_mask', slice(1, 3))
+        layer(x, mask_mod=window); layer(x, mask_mod=window)
+        assert len(built) == 1
+    assert masks._FORWARD_MASKS.get() is None and model._forward_masks_tokens == []

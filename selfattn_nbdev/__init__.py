@@ -6,11 +6,11 @@ __version__ = "0.1.0"
 # %% auto #0
 __all__ = ['SelfAttention', 'check_tokens', 'check_size', 'check_flag', 'check_count', 'check_range', 'check_token_ids',
            'check_dropout', 'check_context', 'softmax_stable', 'simple_attention', 'SelfAttentionV1', 'SelfAttentionV2',
-           'causal_mask', 'CausalAttention', 'leaks_future', 'check_heads', 'MultiHeadAttentionWrapper',
-           'MultiHeadAttention', 'to_torch_multihead', 'KVCache', 'StaticKVCache', 'TinyGPT', 'generate',
-           'generate_stream', 'sample_next', 'repeat_kv', 'window_mask', 'rope_angles', 'apply_rope', 'causal',
-           'sliding_window', 'key_padding', 'documents', 'and_masks', 'or_masks', 'dense_mask', 'attention_kernel',
-           'tiled_attention', 'AttentionExplorer', 'package_attention']
+           'causal_allowed', 'causal_mask', 'CausalAttention', 'leaks_future', 'check_heads',
+           'MultiHeadAttentionWrapper', 'MultiHeadAttention', 'to_torch_multihead', 'KVCache', 'StaticKVCache',
+           'TinyGPT', 'generate', 'generate_stream', 'sample_next', 'repeat_kv', 'window_allowed', 'window_mask',
+           'rope_angles', 'apply_rope', 'causal', 'sliding_window', 'key_padding', 'documents', 'and_masks', 'or_masks',
+           'dense_mask', 'attention_kernel', 'tiled_attention', 'AttentionExplorer', 'package_attention']
 
 # %% ../nbs/index.ipynb #e26eca70
 # Later pages add to the modules of earlier ones (MultiHeadAttention gains a cache,
@@ -21,13 +21,14 @@ from .core import (SelfAttention, check_count, check_flag, check_range,
                                  check_size, check_token_ids, check_tokens)
 from .simple import softmax_stable, simple_attention
 from .trainable import SelfAttentionV1, SelfAttentionV2
-from .causal import (check_dropout, check_context, causal_mask,
-                                   CausalAttention, leaks_future)
+from .causal import (check_dropout, check_context, causal_allowed,
+                                   causal_mask, CausalAttention, leaks_future)
 from .multihead import (check_heads, MultiHeadAttentionWrapper,
                                       MultiHeadAttention, to_torch_multihead)
 from .generation import KVCache, TinyGPT
 from .decoding import StaticKVCache, generate, generate_stream, sample_next
-from .gqa_window_rope import repeat_kv, window_mask, rope_angles, apply_rope
+from .gqa_window_rope import (repeat_kv, window_allowed, window_mask,
+                                            rope_angles, apply_rope)
 from .masks import (and_masks, attention_kernel, causal, dense_mask,
                                   documents, key_padding, or_masks, sliding_window)
 from .tiled import tiled_attention
@@ -41,10 +42,11 @@ from . import gqa_window_rope as modern, llama_attention as recent
 _all_ = ['SelfAttention', 'check_tokens', 'check_size', 'check_flag', 'check_count',
          'check_range', 'check_token_ids', 'check_dropout', 'check_context',
          'softmax_stable', 'simple_attention', 'SelfAttentionV1', 'SelfAttentionV2',
-         'causal_mask', 'CausalAttention', 'leaks_future', 'check_heads',
-         'MultiHeadAttentionWrapper', 'MultiHeadAttention', 'to_torch_multihead',
-         'KVCache', 'StaticKVCache', 'TinyGPT', 'generate', 'generate_stream',
-         'sample_next', 'repeat_kv', 'window_mask', 'rope_angles', 'apply_rope',
+         'causal_allowed', 'causal_mask', 'CausalAttention', 'leaks_future',
+         'check_heads', 'MultiHeadAttentionWrapper', 'MultiHeadAttention',
+         'to_torch_multihead', 'KVCache', 'StaticKVCache', 'TinyGPT', 'generate',
+         'generate_stream', 'sample_next', 'repeat_kv', 'window_allowed',
+         'window_mask', 'rope_angles', 'apply_rope',
          'causal', 'sliding_window', 'key_padding', 'documents', 'and_masks',
          'or_masks', 'dense_mask', 'attention_kernel', 'tiled_attention',
          'AttentionExplorer', 'package_attention']

@@ -152,7 +152,7 @@ class AttentionExplorer:
                             f"or nn.Linear layers, as the package's attention modules "
                             f"do; got {type(module).__name__}")
         # CausalAttention always masks; MultiHeadAttention says so in .causal
-        causal = getattr(module, 'causal', hasattr(module, 'future_mask'))
+        causal = getattr(module, 'causal', hasattr(module, 'allowed'))
         kwargs.setdefault('causal', causal)
         return cls(tokens, embeddings, *(W.detach() for W in mats), **kwargs)
 

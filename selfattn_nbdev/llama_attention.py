@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .core import check_flag, check_size, patch
-from .causal import causal_mask
+from .causal import causal_allowed
 from .masks import block_mask
 from .multihead import MultiHeadAttention
 from .gqa_window_rope import _shared_table, repeat_kv, rope_rotate
@@ -419,7 +419,7 @@ def sinks_by_sdpa(
     sink_key[..., hd] = sinks.to(keys.dtype)[:, None] * math.sqrt(hd)  # q'.k' = sink
     keys = torch.cat([pad(keys, 0.0), sink_key], 2)          # (b, h, S + 1, hd + extra)
     values = torch.cat([values, values.new_zeros(b, h, 1, values.shape[-1])], 2)
-    if allowed is None: allowed = ~causal_mask(T, queries.device, S)          # (T, S)
+    if allowed is None: allowed = causal_allowed(T, queries.device, S)          # (T, S)
     allowed = torch.cat([allowed.expand(*allowed.shape[:-1], S),  # the sink: always
                          allowed.new_ones(*allowed.shape[:-1], 1)], -1)
     return F.scaled_dot_product_attention(pad(queries, 1.0), keys, values, allowed,

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .core import check_size, check_tokens
-from .causal import causal_mask, check_context, check_dropout
+from .causal import causal_allowed, check_context, check_dropout
 from .multihead import MultiHeadAttention, _check_cache
 from .generation import TinyGPT, TransformerBlock
 from .decoding import project
@@ -842,7 +842,7 @@ class LatentAttention(nn.Module):
         S = latent.shape[2]
         if mask_mod is not None:  # yours, in place of causal: (b, h | 1, T, S)
             allowed = dense_mask(mask_mod, T, S, b, self.num_heads, device=x.device)
-        elif allowed is None and T > 1: allowed = ~causal_mask(T, x.device, S)
+        elif allowed is None and T > 1: allowed = causal_allowed(T, x.device, S)
         dropout = self.dropout if self.training else 0.0
         scale = self.scale if scale is None else scale
         if cache is not None and self._absorbs(T, S):  # decoding: W_UK, W_UV moved

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from .core import (ARGUMENT_RULES, check_flag, check_size, check_tokens,
                                  checked, patch)
-from .causal import CausalAttention, causal_mask, check_context
+from .causal import CausalAttention, causal_allowed, check_context
 
 # %% ../nbs/04_multihead.ipynb #1176acd3
 def check_heads(
@@ -219,7 +219,7 @@ def _allowed(self:MultiHeadAttention,
     "Where each query may attend: its past (if causal), the rules', not the padding."
     allowed = None
     if self.causal:  # (T, num_keys): the past of each query and itself
-        allowed = ~causal_mask(num_tokens, self.W_query.weight.device, num_keys)
+        allowed = causal_allowed(num_tokens, self.W_query.weight.device, num_keys)
     for part in self._mask_parts(num_tokens, num_keys, batch, **mask_inputs):
         allowed = part(allowed)  # a later page's: a window, packed documents
     if key_padding_mask is not None:
@@ -417,7 +417,7 @@ def forward(self:MultiHeadAttention,
 def to_torch_multihead(
     m:MultiHeadAttention, # a module with d_in == d_out (nn.MultiheadAttention's shape)
 ) -> nn.MultiheadAttention: # PyTorch's module (batch_first=True), same function
-    "`nn.MultiheadAttention` with the weights of `m`; mask: `causal_mask(T)`."
+    "`nn.MultiheadAttention` with the weights of `m`; mask: `~causal_allowed(T)`."
     if not isinstance(m, MultiHeadAttention):
         raise TypeError(f"m must be a MultiHeadAttention; got {type(m).__name__}")
     if m.d_in != m.d_out:
@@ -453,7 +453,7 @@ def _check_same_function(
     num_tokens = min(m.context_length, 8)
     generator = torch.Generator().manual_seed(0)  # the caller's random state untouched
     x = torch.randn(1, num_tokens, m.d_in, generator=generator).to(weight)
-    mask = causal_mask(num_tokens, weight.device) if m.causal else None
+    mask = ~causal_allowed(num_tokens, weight.device) if m.causal else None
     was_training = m.training
     try:
         with torch.no_grad():

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .causal import causal_mask, check_context
+from .causal import causal_allowed, check_context
 from .core import check_flag, check_size, check_tokens
 from .distributed import _max_diff
 from .gqa_window_rope import repeat_kv
@@ -406,7 +406,7 @@ def split_kv_attention(
     if allowed is not None or pad or causal:  # a mask only where a key is hidden
         seen = torch.ones(b, h, T, S, dtype=torch.bool, device=keys.device)
         if allowed is not None: seen = seen & allowed
-        if causal: seen = seen & ~causal_mask(T, keys.device, num_keys=S)
+        if causal: seen = seen & causal_allowed(T, keys.device, num_keys=S)
         seen = F.pad(seen, (0, pad)).view(b, kv, g * T, n, chunk).transpose(2, 3)
         s = s.masked_fill(~seen, -math.inf)
     m = s.amax(-1, keepdim=True)                              # (b, kv, n, g·T, 1)

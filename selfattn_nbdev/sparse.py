@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .core import check_size
-from .causal import causal_mask, check_dropout
+from .causal import causal_allowed, check_dropout
 from .gqa_window_rope import rope_rotate
 from .models import LatentAttention
 
@@ -65,7 +65,7 @@ def topk_indices(
     if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
         raise ValueError(f"k must be an integer >= 1 (keys kept per query); got {k!r}")
     T, S = scores.shape[1:]
-    if allowed is None: allowed = ~causal_mask(T, scores.device, S)  # (T, S)
+    if allowed is None: allowed = causal_allowed(T, scores.device, S)  # (T, S)
     if not (isinstance(allowed, Tensor) and allowed.dtype == torch.bool
             and allowed.shape[-2:] == (T, S) and allowed.dim() in (2, 3)):
         raise ValueError(f"allowed must be a bool tensor (b | 1, T, S) or (T, S) = "
@@ -249,7 +249,7 @@ class SparseLatentAttention(LatentAttention):
         allowed = None
         if cache is not None: row, allowed = self._cached(cache, row)  # one row a token
         S, width = row.shape[2], self.kv_rank + self.rope_dim
-        if allowed is None: allowed = ~causal_mask(T, x.device, S)       # (T, S)
+        if allowed is None: allowed = causal_allowed(T, x.device, S)       # (T, S)
         latent, index_keys = row.split([width, self.indexer.head_dim], dim=-1)
         scores = self.indexer(x, q_latent, index_keys, cos, sin)         # (b, T, S)
         indices = topk_indices(scores, self.index_topk, allowed.reshape(-1, T, S))
@@ -284,7 +284,7 @@ def indexer_kl_loss(
         raise ValueError(f"scores must be (b, T, S) and attn_weights (b, h, T, S); got "
                          f"{_shape(scores)} and {_shape(attn_weights)}")
     T, S = scores.shape[1:]
-    if allowed is None: allowed = ~causal_mask(T, scores.device, S)     # (T, S)
+    if allowed is None: allowed = causal_allowed(T, scores.device, S)     # (T, S)
     p = attn_weights.detach().sum(1).to(scores.dtype) * allowed        # (b, T, S)
     p = p / p.sum(-1, keepdim=True).clamp(min=torch.finfo(p.dtype).tiny)
     log_q = torch.log_softmax(scores.masked_fill(~allowed, -math.inf), dim=-1)

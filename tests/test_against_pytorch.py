@@ -11,7 +11,7 @@ The two libraries' boolean masks mean opposite things, which is the classic sour
 | SDPA `attn_mask` (bool) | attend |
 | `nn.MultiheadAttention` `attn_mask`, `key_padding_mask` (bool) | do not attend |
 | `MultiHeadAttention` `key_padding_mask` (this package) | do not attend (padding) |
-| `causal_mask(T)` (this package) | do not attend (future) |
+| `causal_allowed(T)`, `dense_mask`, `mask_mod` (this package) | attend |
 """
 import itertools
 
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from selfattn_nbdev import MultiHeadAttention, causal_mask, to_torch_multihead
+from selfattn_nbdev import MultiHeadAttention, causal_allowed, to_torch_multihead
 from conftest import make
 
 TOL = 1e-10  # float64 throughout
@@ -109,7 +109,7 @@ def test_single_head_modules_match_torch_multihead(name, batch, T, record_diff):
     x = torch.randn(batch, T, 6, dtype=torch.float64, requires_grad=True)
     causal = name == 'CausalAttention'
     ours = m(x)
-    theirs, _ = ref(x, x, x, attn_mask=causal_mask(T) if causal else None, need_weights=False)
+    theirs, _ = ref(x, x, x, attn_mask=~causal_allowed(T) if causal else None, need_weights=False)
     assert record_diff(name, 'nn.MultiheadAttention fwd', ours, theirs) < TOL
     g = torch.randn_like(ours)
     gx_ours, = torch.autograd.grad((ours * g).sum(), x)
@@ -130,7 +130,7 @@ def test_multihead_matches_torch_multihead(causal, padded, num_heads, batch, T, 
     if pad is not None: pad[:, 0] = False   # nn.MultiheadAttention gives NaN for rows with nothing to attend to
     ours = m(x, key_padding_mask=pad, return_attn_weights=explicit)
     ours, weights = ours if explicit else (ours, None)
-    theirs, their_weights = ref(x, x, x, attn_mask=causal_mask(T) if causal else None, key_padding_mask=pad,
+    theirs, their_weights = ref(x, x, x, attn_mask=~causal_allowed(T) if causal else None, key_padding_mask=pad,
                                 need_weights=explicit, average_attn_weights=False)
     name = 'MultiHeadAttention' + ('(explicit)' if explicit else '')
     assert record_diff(name, 'nn.MultiheadAttention fwd', ours, theirs) < TOL

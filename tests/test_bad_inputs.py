@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 from selfattn_nbdev import (CausalAttention, KVCache, MultiHeadAttention, MultiHeadAttentionWrapper, SelfAttention,
-                            SelfAttentionV1, SelfAttentionV2, apply_rope, causal_mask, check_context, check_count,
+                            SelfAttentionV1, SelfAttentionV2, apply_rope, causal_allowed, check_context, check_count,
                             check_dropout, check_flag, check_heads, check_range, check_size, check_token_ids,
                             check_tokens, leaks_future, package_attention, repeat_kv, rope_angles, simple_attention,
-                            softmax_stable, to_torch_multihead, window_mask)
+                            softmax_stable, to_torch_multihead, window_allowed)
 import selfattn_nbdev.distributed as D
 import selfattn_nbdev.ring as R  # noqa: E402
 import selfattn_nbdev.masks as M
@@ -31,6 +31,16 @@ from selfattn_nbdev.training import (VOCAB, BankSenseClassifier, accuracy, check
 
 torch.manual_seed(0)
 X = torch.randn(2, 5, 4)                      # (batch, num_tokens, d_in)
+
+
+def _old(name):
+    "A deprecated name of the package, its FutureWarning silenced (tests/test_masks.py checks the warning)."
+    import warnings, selfattn_nbdev
+    def call(*args, **kwargs):
+        with warnings.catch_warnings():
+            warnings.simplefilter('ignore', FutureWarning)
+            return getattr(selfattn_nbdev, name)(*args, **kwargs)
+    return call
 
 
 def _forced(kernel, **mods):
@@ -172,10 +182,11 @@ CASES = {
     'CausalAttention flag': (lambda: CausalAttention(4, 3, 8)(X, return_attn_weights='False'), TypeError,
                              ['return_attn_weights', "'False'"]),
     'CausalAttention qkv_bias': (lambda: CausalAttention(4, 3, 8, qkv_bias=0), TypeError, ['qkv_bias', 'got 0']),
-    'causal_mask negative': (lambda: causal_mask(-1), ValueError, ['num_tokens', '-1']),
-    'causal_mask float': (lambda: causal_mask(2.5), ValueError, ['num_tokens', '2.5']),
-    'causal_mask str': (lambda: causal_mask('3'), ValueError, ['num_tokens', "'3'"]),
-    'causal_mask few keys': (lambda: causal_mask(3, num_keys=2), ValueError, ['num_keys=2', 'num_tokens=3']),
+    'causal_allowed negative': (lambda: causal_allowed(-1), ValueError, ['num_tokens', '-1']),
+    'causal_allowed float': (lambda: causal_allowed(2.5), ValueError, ['num_tokens', '2.5']),
+    'causal_allowed str': (lambda: causal_allowed('3'), ValueError, ['num_tokens', "'3'"]),
+    'causal_allowed few keys': (lambda: causal_allowed(3, num_keys=2), ValueError, ['num_keys=2', 'num_tokens=3']),
+    'causal_mask (old name) few keys': (lambda: _old('causal_mask')(3, num_keys=2), ValueError, ['num_keys=2']),
     'leaks_future t': (lambda: leaks_future(CausalAttention(4, 3, 8), X, 4), ValueError, ['t', 'got t=4']),
     'leaks_future negative t': (lambda: leaks_future(CausalAttention(4, 3, 8), X, -1), ValueError, ['t', '-1']),
     'Wrapper heads': (lambda: MultiHeadAttentionWrapper(4, 6, 8, num_heads=4), ValueError, ['num_heads', '4']),
@@ -216,8 +227,9 @@ CASES = {
     'repeat_kv float': (lambda: repeat_kv(Q, 2.0), ValueError, ['group_size', '2.0']),
     'repeat_kv 3-D': (lambda: repeat_kv(Q[0], 2), ValueError, ['t', '(batch, num_kv_heads', '[2, 6, 4]']),
     'repeat_kv list': (lambda: repeat_kv([1, 2], 2), ValueError, ['t', 'list']),
-    'window_mask negative tokens': (lambda: window_mask(-2, 3), ValueError, ['num_tokens', '-2']),
-    'window_mask zero': (lambda: window_mask(4, 0), ValueError, ['window', '0']),
+    'window_allowed negative tokens': (lambda: window_allowed(-2, 3), ValueError, ['num_tokens', '-2']),
+    'window_allowed zero': (lambda: window_allowed(4, 0), ValueError, ['window', '0']),
+    'window_mask (old name) zero': (lambda: _old('window_mask')(4, 0), ValueError, ['window', '0']),
     'rope_angles base negative': (lambda: rope_angles(torch.arange(4), 4, base=-10), ValueError, ['base', '-10']),
     'rope_angles base one': (lambda: rope_angles(torch.arange(4), 4, base=1), ValueError, ['base', 'got 1']),
     'rope_angles odd': (lambda: rope_angles(torch.arange(4), 5), ValueError, ['head_dim', '5']),

@@ -8,7 +8,7 @@ book's checkpoints, which carry a `mask` entry, load with strict=True."""
 import pytest
 import torch
 
-from selfattn_nbdev import CausalAttention, MultiHeadAttention, MultiHeadAttentionWrapper, causal_mask, leaks_future
+from selfattn_nbdev import CausalAttention, MultiHeadAttention, MultiHeadAttentionWrapper, causal_allowed, leaks_future
 
 BUILDERS = {
     'CausalAttention': lambda: CausalAttention(16, 16, 64),
@@ -59,7 +59,7 @@ def test_long_context_costs_nothing_at_construction():
 def test_book_checkpoint_with_mask_loads_strictly(name):
     torch.manual_seed(0)
     src = BUILDERS[name]()
-    checkpoint = {**src.state_dict(), 'mask': causal_mask(64)}
+    checkpoint = {**src.state_dict(), 'mask': torch.ones(64, 64).triu(1)}
     m = BUILDERS[name]()
     m.load_state_dict(checkpoint, strict=True)
     assert 'mask' in checkpoint                          # the caller's dict is left as it was
@@ -69,9 +69,36 @@ def test_book_checkpoint_with_mask_loads_strictly(name):
         m.load_state_dict({**checkpoint, 'other': torch.zeros(1)}, strict=True)  # other extras still fail
 
 
-def test_causal_mask():
-    assert causal_mask(3).tolist() == [[False, True, True], [False, False, True], [False, False, False]]
-    assert causal_mask(0).shape == (0, 0)
+def test_causal_allowed():
+    assert causal_allowed(3).tolist() == [[True, False, False], [True, True, False], [True, True, True]]
+    assert causal_allowed(0).shape == (0, 0)
+    assert causal_allowed(2, num_keys=4).tolist() == [[True, True, True, False], [True, True, True, True]]
+
+
+def test_old_mask_names_warn_and_keep_their_polarity():
+    "causal_mask and window_mask (True = hidden) still answer, and say what replaced them."
+    from selfattn_nbdev import causal_mask, window_allowed, window_mask
+    with pytest.warns(FutureWarning, match='causal_allowed'):
+        assert torch.equal(causal_mask(4, num_keys=6), ~causal_allowed(4, num_keys=6))
+    with pytest.warns(FutureWarning, match='window_allowed'):
+        assert torch.equal(window_mask(4, 2, num_keys=6), ~window_allowed(4, 2, num_keys=6))
+
+
+def test_future_mask_is_refused_by_name():
+    "A module given a future_mask (True = hidden) would attend to the future: refused, never ignored."
+    ca = CausalAttention(3, 2, context_length=6)
+    with pytest.raises(TypeError, match='now `allowed`'):
+        ca.future_mask = lambda T, device=None: torch.ones(T, T, dtype=torch.bool).triu(1)
+    with pytest.raises(TypeError, match='now `allowed`'):
+        class Old(CausalAttention):
+            def future_mask(self, num_tokens, device=None): return None
+    assert not hasattr(ca, 'future_mask')
+    class Banded(CausalAttention):  # the new hook: True = attend
+        def allowed(self, num_tokens, device=None):
+            return causal_allowed(num_tokens, device) & torch.ones(num_tokens, num_tokens, dtype=torch.bool).triu(-1)
+    torch.manual_seed(0)
+    _, w = Banded(3, 2, context_length=6)(torch.randn(6, 3), return_attn_weights=True)
+    assert ((w > 0).sum(-1) == torch.tensor([1, 2, 2, 2, 2, 2])).all()
 
 
 def test_a_document_that_comes_back_goes_on_where_it_stopped():

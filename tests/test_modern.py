@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from selfattn_nbdev import KVCache, MultiHeadAttention, leaks_future
-from selfattn_nbdev.gqa_window_rope import apply_rope, repeat_kv, rope_angles, window_mask
+from selfattn_nbdev.gqa_window_rope import apply_rope, repeat_kv, rope_angles, window_allowed
 
 TOL = {torch.float32: 2e-5, torch.float64: 1e-12}
 
@@ -153,10 +153,10 @@ def test_no_future_leaks(opts):
     assert not any(leaks_future(explicit, x, t) for t in range(8))
 
 
-def test_window_mask_is_the_band():
+def test_window_allowed_is_the_band():
     for T, keys, w in [(5, 5, 1), (5, 5, 2), (6, 6, 10), (3, 9, 4)]:
         i, j = torch.arange(keys - T, keys)[:, None], torch.arange(keys)[None]
-        assert torch.equal(window_mask(T, w, num_keys=keys), (j > i) | (j <= i - w))
+        assert torch.equal(window_allowed(T, w, num_keys=keys), (j <= i) & (j > i - w))
     assert torch.equal(repeat_kv(torch.arange(2.).view(1, 2, 1, 1), 3).flatten(), torch.tensor([0., 0, 0, 1, 1, 1]))
 
 

@@ -8,7 +8,7 @@ from torch import nn
 import transformers  # a pinned development dependency: the proofs must run, never be skipped
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from selfattn_nbdev.causal import causal_mask  # noqa: E402
+from selfattn_nbdev.causal import causal_allowed  # noqa: E402
 from selfattn_nbdev.decoding import generate  # noqa: E402
 from selfattn_nbdev.multihead import MultiHeadAttention, to_torch_multihead
 from selfattn_nbdev.generation import KVCache  # noqa: E402
@@ -160,7 +160,7 @@ def test_from_torch_multihead_round_trip(bias, causal):
     ours = from_torch_multihead(ref, context_length=12, causal=causal)
     assert not ours.training and ours.causal == causal and (ours.W_query.bias is not None) == bias
     x = torch.randn(2, 12, 24)
-    mask = causal_mask(12) if causal else None
+    mask = ~causal_allowed(12) if causal else None
     expected, _ = ref(x, x, x, attn_mask=mask, need_weights=False)
     torch.testing.assert_close(ours(x), expected, rtol=1e-5, atol=1e-6)
     back = to_torch_multihead(ours)                                  # to PyTorch again: the same weights

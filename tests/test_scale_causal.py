@@ -3,7 +3,7 @@ nbs/16_ring.ipynb): `tiled_attention`, `ring_attention` and `split_kv_attention`
 out in float64, forward and input gradients.
 
 - T queries over S keys: after a cache (T < S) and as many (T == S). Causal is bottom-right: the queries are the last
-  T positions, query i sees keys j <= i + S - T, as `causal_mask`, `dense_mask` and `block_mask` have it. With fewer
+  T positions, query i sees keys j <= i + S - T, as `causal_allowed`, `dense_mask` and `block_mask` have it. With fewer
   keys than queries, causal=True is refused by name. The ring holds one sequence (T == S) and refuses any other.
 - c: the default 1/sqrt(head_dim), 1.0 and 0.3; anything but None or a finite number above 0 is refused by name.
 - with the causal flag, a block mask (a window, padding), a score function (ALiBi, at the same positions as the mask).
@@ -13,7 +13,7 @@ import math, re
 import pytest
 import torch
 
-from selfattn_nbdev.causal import causal_mask
+from selfattn_nbdev.causal import causal_allowed
 from selfattn_nbdev.distributed import run_ranks
 from selfattn_nbdev.masks import block_mask, causal, dense_mask, key_padding, sliding_window
 from selfattn_nbdev.llama_attention import LlamaAttention
@@ -62,7 +62,7 @@ def label(kernel, T, S, scale):
 
 
 def bottom_right(T, S):
-    return ~causal_mask(T, num_keys=S)                                        # (T, S), True = seen
+    return causal_allowed(T, num_keys=S)                                      # (T, S), True = seen
 
 
 # ---- tiled_attention ------------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from selfattn_nbdev.causal import causal_mask, leaks_future
+from selfattn_nbdev.causal import causal_allowed, leaks_future
 from selfattn_nbdev.tiled import online_softmax, online_softmax_step, tiled_attention
 
 TOL = {torch.float32: 1e-6, torch.float64: 1e-12}
@@ -129,7 +129,7 @@ def test_more_or_fewer_keys_than_queries_follow_sdpa(T, S):
             with pytest.raises(ValueError, match=f'needs num_keys >= num_tokens; got num_tokens={T}, num_keys={S}'):
                 tiled_attention(q, k, v, causal)
             continue
-        seen = ~causal_mask(T, num_keys=S) if causal else None
+        seen = causal_allowed(T, num_keys=S) if causal else None
         for block_size in (b for b in (1, 3, 64) if math.ceil(T / b) * math.ceil(S / b) <= 100):
             torch.testing.assert_close(tiled_attention(q, k, v, causal, block_size),
                                        F.scaled_dot_product_attention(q, k, v, attn_mask=seen), atol=1e-12, rtol=0)

@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from selfattn_nbdev.generation import KVCache  # noqa: E402
 from selfattn_nbdev.linear import chunk_gated_delta_rule  # noqa: E402
-from selfattn_nbdev.models import LatentAttention  # noqa: E402
+from selfattn_nbdev.deepseek_v3 import LatentAttention  # noqa: E402
 from selfattn_nbdev.llama_attention import LlamaAttention  # noqa: E402
 from bench.gpu_decode import run_parts  # noqa: E402
 

@@ -19,7 +19,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from selfattn_nbdev.generation import KVCache  # noqa: E402
-from selfattn_nbdev.models import LatentAttention  # noqa: E402
+from selfattn_nbdev.deepseek_v3 import LatentAttention  # noqa: E402
 from bench.benchmark import cpu_model  # noqa: E402
 
 SIZES = dict(d_model=1024, num_heads=16, kv_rank=512, rope_dim=64, nope_dim=128, v_dim=128, q_rank=384)

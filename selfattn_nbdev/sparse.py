@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from .core import check_size
 from .causal import causal_allowed, check_dropout
 from .gqa_window_rope import rope_rotate
-from .models import LatentAttention
+from .deepseek_v3 import LatentAttention
 
 # %% ../nbs/19_sparse.ipynb #985f3bbf
 def _shape(t) -> str: return str(tuple(t.shape)) if isinstance(t, Tensor) else repr(t)

@@ -8,7 +8,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from selfattn_nbdev.decoding import StaticKVCache, generate
 from selfattn_nbdev.generation import KVCache
-from selfattn_nbdev.models import DeepSeekV3, LatentAttention
+from selfattn_nbdev.deepseek_v3 import DeepSeekV3, LatentAttention
 
 YARN = dict(rope_type='yarn', factor=4.0, mscale=1.0, mscale_all_dim=0.8, original_max_position_embeddings=16,
             beta_fast=32, beta_slow=1)

@@ -202,7 +202,8 @@ def test_forced_kernels_refuse_by_name():
 
 def _models():
     from selfattn_nbdev.generation import TinyGPT
-    from selfattn_nbdev.models import GPT2, DeepSeekV3, Gemma, Llama
+    from selfattn_nbdev.deepseek_v3 import DeepSeekV3
+    from selfattn_nbdev.models import GPT2, Gemma, Llama
     torch.manual_seed(0)
     yield 'TinyGPT', TinyGPT(50, T, 16, 2, 2, rope=True)
     yield 'GPT2', GPT2(50, T, 16, 2, 2)
@@ -241,7 +242,7 @@ def test_a_model_trains_through_a_callers_functions():
 
 def test_latent_attention_takes_the_three():
     "MLA: a score function goes tiled, a mask_mod densely, scale in place of its own; all equal where they meet."
-    from selfattn_nbdev.models import LatentAttention
+    from selfattn_nbdev.deepseek_v3 import LatentAttention
     torch.manual_seed(0)
     m = LatentAttention(16, T, 4, kv_rank=8, rope_dim=4, nope_dim=4, v_dim=4).double()
     x = torch.randn(B, T, 16, dtype=torch.float64)
@@ -316,7 +317,7 @@ def test_a_predicate_may_read_the_head():
     sunk = LlamaAttention(D, T, H, KV, sinks=True).double()                # the sinks' tiled path
     with torch.no_grad(): sunk.sinks.normal_()
     assert max((a - b).abs().max().item() for a, b in zip(run(sunk, kw), run(sunk, kw, None))) < 1e-12
-    from selfattn_nbdev.models import LatentAttention
+    from selfattn_nbdev.deepseek_v3 import LatentAttention
     mla = LatentAttention(16, T, H, kv_rank=8, rope_dim=4, nope_dim=4, v_dim=4).double()
     with torch.no_grad():
         x = torch.randn(B, T, 16, dtype=torch.float64)

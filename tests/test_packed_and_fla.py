@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from selfattn_nbdev.linear import (GatedDeltaNet, chunk_gated_delta_rule, chunk_kda,
                                    fused_recurrent_gated_delta_rule, fused_recurrent_kda)
-from selfattn_nbdev.models import LatentAttention
+from selfattn_nbdev.deepseek_v3 import LatentAttention
 from selfattn_nbdev.sparse import SparseLatentAttention
 
 # fla v0.5.2's parameters, in its order (fla-core 0.5.2, the four functions' signatures)

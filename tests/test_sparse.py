@@ -11,7 +11,8 @@ import torch
 
 from selfattn_nbdev.decoding import StaticKVCache, generate
 from selfattn_nbdev.generation import KVCache
-from selfattn_nbdev.models import DeepSeekV3, LatentAttention, deepseek_weight_map, load_hf_state_dict
+from selfattn_nbdev.deepseek_v3 import DeepSeekV3, LatentAttention, deepseek_weight_map
+from selfattn_nbdev.models import load_hf_state_dict
 from selfattn_nbdev.sparse import (Indexer, SparseLatentAttention, index_mask, indexer_kl_loss, lightning_indexer,
                                    sparse_attention, topk_indices)
 

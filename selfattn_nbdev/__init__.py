@@ -36,7 +36,7 @@ from . import mods as _mods  # MultiHeadAttention's 'block' path
 from .explorer import AttentionExplorer, package_attention
 # the families of later pages: each module adds its line to from_hf's FAMILIES
 from . import hybrid as _hybrid, smollm3 as _smollm3
-from . import models as _models, deepseek_v3 as _deepseek_v3
+from . import models as _models, gemma as _gemma, deepseek_v3 as _deepseek_v3
 import sys as _sys
 from . import gqa_window_rope as modern, llama_attention as recent
 
@@ -56,7 +56,7 @@ _all_ = ['SelfAttention', 'check_tokens', 'check_size', 'check_flag', 'check_cou
 # two modules are named for what they hold (GQA, windows and RoPE; the attention of
 # Llama-style models): their old names, from when they appeared, still import them
 _sys.modules.update({'selfattn_nbdev.modern': modern, 'selfattn_nbdev.recent': recent})
-# DeepSeek-V3 has its own page and module; its names still import from models too
-for _name in ('LatentAttention', 'DeepSeekBlock', 'DeepSeekV3', 'DEEPSEEK_FAMILY',
-              'deepseek_config', 'deepseek_weight_map'):
-    setattr(_models, _name, getattr(_deepseek_v3, _name))
+# Gemma and DeepSeek-V3 have pages and modules of their own; their names still
+# import from models, where they were first written
+for _module in (_gemma, _deepseek_v3):
+    for _name in _module.__all__: setattr(_models, _name, getattr(_module, _name))

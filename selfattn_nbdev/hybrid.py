@@ -20,8 +20,8 @@ from .multihead import _check_cache
 from .decoding import project
 from .llama_attention import (RESCALINGS, LlamaAttention, _turn_first,
                                    check_rope_scaling, layer_windows, soft_cap)
-from .models import (HF_DEFAULTS, Gemma, GemmaBlock, GemmaRMSNorm, SwiGLU,
-                                   _refuse, _rope_of, hf_settings)
+from .models import HF_DEFAULTS, SwiGLU, _refuse, _rope_of, hf_settings
+from .gemma import Gemma, GemmaBlock, GemmaRMSNorm
 from .pretrained import FAMILIES
 from .linear import GatedDeltaNet, RecurrentCache
 

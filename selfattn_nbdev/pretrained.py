@@ -20,11 +20,12 @@ from torch import nn
 
 from .core import check_flag, check_size
 from .models import *  # noqa: F403  the models, under this name too
+from .gemma import *  # noqa: F403  Gemma's
 from .deepseek_v3 import *  # noqa: F403  and DeepSeek-V3's
-from .models import (GEMMA_FAMILY, LLAMA_FAMILY, GPT2, Gemma, Llama,
-                                   gemma_config, gemma_weight_map, gpt2_config,
+from .models import (LLAMA_FAMILY, GPT2, Llama, gpt2_config,
                                    gpt2_weight_map, hf_settings, llama_config,
                                    llama_weight_map, load_hf_state_dict)
+from .gemma import GEMMA_FAMILY, Gemma, gemma_config, gemma_weight_map
 from .deepseek_v3 import (DeepSeekV3, deepseek_config,
                                         deepseek_weight_map)
 

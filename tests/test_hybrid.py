@@ -20,7 +20,7 @@ from selfattn_nbdev.generation import KVCache  # noqa: E402
 from selfattn_nbdev.hybrid import (GatedAttention, HybridCache, Qwen35, hybrid_layer_types,  # noqa: E402
                                    qwen35_config, qwen35_weight_map)
 from selfattn_nbdev.linear import GatedDeltaNet  # noqa: E402
-from selfattn_nbdev.models import GemmaRMSNorm  # noqa: E402
+from selfattn_nbdev.gemma import GemmaRMSNorm  # noqa: E402
 from selfattn_nbdev.pretrained import from_hf  # noqa: E402
 from selfattn_nbdev.llama_attention import LlamaAttention  # noqa: E402
 from selfattn_nbdev.sparse import Indexer, sparse_attention, topk_indices  # noqa: E402

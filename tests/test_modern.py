@@ -216,7 +216,8 @@ def test_a_models_blocks_share_one_rope_table_while_it_lives():
     import gc
     from selfattn_nbdev import gqa_window_rope as modern
     from selfattn_nbdev.generation import TinyGPT
-    from selfattn_nbdev.models import Gemma, Llama
+    from selfattn_nbdev.gemma import Gemma
+    from selfattn_nbdev.models import Llama
     torch.manual_seed(0)
     llama = Llama(37, 512, d_model=32, num_heads=4, num_layers=4, num_kv_heads=2, d_hidden=48).eval()
     gemma = Gemma(37, 512, d_model=32, num_heads=4, num_layers=4, num_kv_heads=2, d_hidden=48, head_dim=8,

@@ -203,7 +203,8 @@ def test_forced_kernels_refuse_by_name():
 def _models():
     from selfattn_nbdev.generation import TinyGPT
     from selfattn_nbdev.deepseek_v3 import DeepSeekV3
-    from selfattn_nbdev.models import GPT2, Gemma, Llama
+    from selfattn_nbdev.gemma import Gemma
+    from selfattn_nbdev.models import GPT2, Llama
     torch.manual_seed(0)
     yield 'TinyGPT', TinyGPT(50, T, 16, 2, 2, rope=True)
     yield 'GPT2', GPT2(50, T, 16, 2, 2)

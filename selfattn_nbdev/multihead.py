@@ -370,27 +370,22 @@ def _attend_whole(self:MultiHeadAttention,
 
 # %% ../nbs/04_multihead.ipynb #214c0ee7
 @patch
-def _finish(self:MultiHeadAttention,
+def _attend(self:MultiHeadAttention,
             queries:Tensor, keys:Tensor, values:Tensor, # (b, heads, T | keys, hd)
             allowed:Tensor|None, # (b | 1, 1, T, keys): a cache's mask; None: _allowed
             key_padding_mask:Tensor|None, # bool (b, T), True = padding
             return_attn_weights:bool, # the explicit path, and its weights
-            unbatched:bool, # x had no batch axis: take it away again
             cached:bool=False, # the keys are a cache's (a later page)
             mask_inputs:dict|None=None, # a later page's: documents, your mask, scores
-           ): # output (..., T, d_out) [and weights (..., heads, T, keys)]
-    "Attend by the path asked for, merge the heads, mix them with `out_proj`."
+           ) -> tuple: # context (b, heads, T, hd), weights (b, heads, T, keys) or None
+    "Attend by the path asked for: explicit, with its weights, or fused."
     (b, _, T, _), S, more = queries.shape, keys.shape[2], mask_inputs or {}
     if return_attn_weights:
         if allowed is None: allowed = self._allowed(T, S, key_padding_mask, b, **more)
-        context, attn_weights = self._attend_explicit(queries, keys, values, allowed,
-                                                      **more)
-    elif cached: context = self._attend_fused(queries, keys, values, allowed,
-                                                   every_row=True)
-    else: context = self._attend_whole(queries, keys, values, key_padding_mask, more)
-    out = self.out_proj(self._merge_heads(context))          # (b, T, d_out)
-    if not return_attn_weights: return out[0] if unbatched else out
-    return (out[0], attn_weights[0]) if unbatched else (out, attn_weights)
+        return self._attend_explicit(queries, keys, values, allowed, **more)
+    if cached: return self._attend_fused(queries, keys, values, allowed,
+                                         every_row=True), None
+    return self._attend_whole(queries, keys, values, key_padding_mask, more), None
 
 # %% ../nbs/04_multihead.ipynb #ea23c311
 @patch
@@ -410,8 +405,13 @@ def forward(self:MultiHeadAttention,
     allowed = None  # the mask: built by the path that needs it (_allowed)
     if cache is not None:  # a later page: the keys so far, and the cache's mask
         keys, values, allowed = cache.update(keys, values, self)
-    return self._finish(queries, keys, values, allowed, key_padding_mask,
-                        return_attn_weights, unbatched, cache is not None, mask_inputs)
+    context, attn_weights = self._attend(queries, keys, values, allowed,  # folded
+        key_padding_mask, return_attn_weights, cache is not None, mask_inputs)
+    del queries, keys, values  # freed now, not after out_proj: less memory at peak
+    context = self._merge_heads(context)                      # (b, T, d_out)
+    out = self.out_proj(context)                              # (b, T, d_out)
+    if not return_attn_weights: return out[0] if unbatched else out
+    return (out[0], attn_weights[0]) if unbatched else (out, attn_weights)
 
 # %% ../nbs/04_multihead.ipynb #dbd683b0
 def to_torch_multihead(

@@ -53,14 +53,16 @@ def story_guards() -> dict:
 
 
 def module_imports() -> dict:
-    "Each module of the package: its lines and the package modules it imports."
+    "Each module of the package: its lines, the notebook that writes it, and the package modules it imports."
     layout = {}
     for path in sorted(PACKAGE.glob('*.py')):
         if path.name in ('_modidx.py', '__init__.py'): continue
-        tree = ast.parse(path.read_text())
+        text = path.read_text()
+        tree = ast.parse(text)
         imports = sorted({node.module for node in ast.walk(tree)
                           if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module})
-        layout[path.stem] = dict(lines=len(path.read_text().splitlines()), imports=imports)
+        page = re.search(r'File to edit: \.\./nbs/(\S+)\.ipynb', text)  # nbdev's header
+        layout[path.stem] = dict(lines=len(text.splitlines()), page=page and page.group(1), imports=imports)
     return layout
 
 

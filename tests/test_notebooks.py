@@ -17,7 +17,7 @@ NOTEBOOKS = sorted((ROOT/'nbs').glob('*.ipynb'))
 # The pages that build something end with what they built and with exercises: not the landing page (also the README),
 # the benchmark page (it measures), nor the reference pages that hold no code (notation, references, developing).
 STORY = [p for p in NOTEBOOKS if p.stem not in ('index', '08_performance', '92_notation', '93_references', '94_develop',
-                                                     '95_measurements')]
+                                                     '95_measurements', '96_measurements_gpu')]
 MAX_LINE = 88  # an 88-character line fits the text column at 1280 px (checked in the browser by tools/walk_site.py)
 
 

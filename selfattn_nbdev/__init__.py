@@ -58,5 +58,6 @@ _all_ = ['SelfAttention', 'check_tokens', 'check_size', 'check_flag', 'check_cou
 _sys.modules.update({'selfattn_nbdev.modern': modern, 'selfattn_nbdev.recent': recent})
 # Gemma and DeepSeek-V3 have pages and modules of their own; their names still
 # import from models, where they were first written
-for _module in (_gemma, _deepseek_v3):
+for _module in (_gemma, _deepseek_v3):  # by name, and with models' `import *`
     for _name in _module.__all__: setattr(_models, _name, getattr(_module, _name))
+    _models.__all__ += [_name for _name in _module.__all__ if _name not in _models.__all__]

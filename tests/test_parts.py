@@ -327,3 +327,16 @@ def test_a_models_forward_inside_shared_masks_leaves_the_outer_scope_open(monkey
         layer(x, mask_mod=window); layer(x, mask_mod=window)
         assert len(built) == 1
     assert masks._FORWARD_MASKS.get() is None and model._forward_masks_tokens == []
+
+
+def test_moved_families_still_import_from_their_old_home():
+    "Gemma and DeepSeek-V3 have modules of their own; models still gives the same objects, by name and by `import *`."
+    from selfattn_nbdev import deepseek_v3, gemma, pretrained
+    from selfattn_nbdev.models import DeepSeekV3, Gemma, GemmaRMSNorm, LatentAttention
+    assert (Gemma, GemmaRMSNorm) == (gemma.Gemma, gemma.GemmaRMSNorm)
+    assert (DeepSeekV3, LatentAttention) == (deepseek_v3.DeepSeekV3, deepseek_v3.LatentAttention)
+    names = {}
+    exec('from selfattn_nbdev.models import *', names)
+    assert set(gemma.__all__) | set(deepseek_v3.__all__) <= set(names)
+    assert pretrained.FAMILIES['gemma3_text'][0] is gemma.Gemma
+    assert pretrained.FAMILIES['deepseek_v3'][0] is deepseek_v3.DeepSeekV3

@@ -514,12 +514,13 @@ _FORWARD_MASKS = contextvars.ContextVar('forward_masks', default=None)
 
 def _dense_once(mask_mod:Callable, num_tokens:int, num_keys:int, batch:int, heads:int,
                 device) -> Tensor: # bool (b, heads, T, S), True = attend
-    "`dense_mask`, kept for the other blocks of the model's forward that asks again."
+    "`dense_mask`, asked once a forward and kept for the other blocks that ask again."
     masks = None if torch.compiler.is_compiling() else _FORWARD_MASKS.get()
     key = (mask_mod, num_tokens, num_keys, batch, heads, str(device))
     if masks is None or key not in masks:
-        allowed = dense_mask(mask_mod, num_tokens, num_keys, batch, heads,
-                             device=device)
+        q_idx = torch.arange(num_keys - num_tokens, num_keys, device=device)  # (T,)
+        allowed = _ask(mask_mod, q_idx, torch.arange(num_keys, device=device), batch,
+                       heads)  # dense_mask's question; the forward checked mask_mod
         if masks is None: return allowed
         masks[key] = allowed
     return masks[key]

@@ -293,8 +293,9 @@ def _check_cache(
     cache, # what forward was given as cache
 ) -> None:
     "A cache keeps Generation's protocol: check_new_tokens, positions, update."
-    if not all(callable(getattr(cache, n, None))
-               for n in ('check_new_tokens', 'positions', 'update')):
+    if not (callable(getattr(cache, 'check_new_tokens', None))  # every layer, every
+            and callable(getattr(cache, 'positions', None))     # step: no generator
+            and callable(getattr(cache, 'update', None))):
         raise TypeError(f"cache must be a KVCache or StaticKVCache (or keep their "
                         f"protocol: check_new_tokens, positions, update); got "
                         f"{type(cache).__name__} {cache!r:.40}")

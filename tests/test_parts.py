@@ -221,19 +221,26 @@ def _llama(num_layers=4):
     return Llama(vocab_size=64, context_length=64, d_model=32, num_heads=4, num_layers=num_layers).eval()
 
 
-def _count_calls(monkeypatch, owner, name:str, sizes:slice) -> list:
-    "Replace owner.name by a wrapper that records the sizes of each call's arguments."
+def _count_calls(monkeypatch, owner, name:str, sizes) -> list:
+    "Replace owner.name by a wrapper that records the sizes of each call's arguments (a slice of them, or a function)."
     built, real = [], getattr(owner, name)
-    monkeypatch.setattr(owner, name, lambda *a, **k: built.append(a[sizes]) or real(*a, **k))
+    pick = sizes if callable(sizes) else (lambda a: a[sizes])
+    monkeypatch.setattr(owner, name, lambda *a, **k: built.append(pick(a)) or real(*a, **k))
     return built
 
 
+def _dense_masks_built(monkeypatch) -> list:
+    "(T, S) of each dense mask a mask_mod is asked for: masks._ask, which dense_mask and a forward's scope call."
+    from selfattn_nbdev import masks
+    return _count_calls(monkeypatch, masks, '_ask', lambda a: (len(a[1]), len(a[2])))
+
+
 def test_a_models_forward_builds_a_mask_mods_dense_mask_once(monkeypatch):
-    "The model builds the mask once a forward and its blocks read it: one dense_mask for four blocks, same logits."
+    "The model builds the mask once a forward and its blocks read it: one dense mask for four blocks, same logits."
     from selfattn_nbdev import masks
     model, ids, window = _llama(), torch.randint(0, 64, (2, 24)), sliding_window(5)
     with torch.no_grad(): shared = model(ids, mask_mod=window)
-    built = _count_calls(monkeypatch, masks, 'dense_mask', slice(1, 3))
+    built = _dense_masks_built(monkeypatch)
     with torch.no_grad(): model(ids, mask_mod=window)
     assert built == [(24, 24)], built
     assert masks._FORWARD_MASKS.get() is None  # closed when the forward returned
@@ -283,7 +290,7 @@ def test_shared_masks_for_a_model_of_your_own(monkeypatch):
         h = x
         for layer in stack: h = h + layer(h, mask_mod=window)
         return h
-    built = _count_calls(monkeypatch, masks, 'dense_mask', slice(1, 3))
+    built = _dense_masks_built(monkeypatch)
     with torch.no_grad():
         with masks.shared_masks(): inside = run()
         assert len(built) == 1 and masks._FORWARD_MASKS.get() is None
@@ -323,7 +330,7 @@ def test_a_models_forward_inside_shared_masks_leaves_the_outer_scope_open(monkey
         for _ in range(2):  # the first call adds the hook that closes the later ones
             model(ids, mask_mod=window)
             assert masks._FORWARD_MASKS.get() is outer
-        built = _count_calls(monkeypatch, masks, 'dense_mask', slice(1, 3))
+        built = _dense_masks_built(monkeypatch)
         layer(x, mask_mod=window); layer(x, mask_mod=window)
         assert len(built) == 1
     assert masks._FORWARD_MASKS.get() is None and model._forward_masks_tokens == []

@@ -67,10 +67,10 @@ def summary(calls: list) -> dict:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument('--lengths', type=int, default=300)
-    ap.add_argument('--small', action='store_true', help='40 lengths, for a test')
+    ap.add_argument('--small', action='store_true', help='20 lengths, for a test')
     ap.add_argument('--out', default=str(ROOT / 'bench' / 'lengths.json'))
     args = ap.parse_args()
-    n = 40 if args.small else args.lengths
+    n = 20 if args.small else args.lengths
     torch.set_num_threads(1)
     rng = random.Random(0)
     lengths = rng.sample(range(129, 1025), n)             # n different lengths

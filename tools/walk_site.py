@@ -9,7 +9,8 @@ in the dark colour scheme (the browser says `prefers-color-scheme: dark`, as a r
 - it loads, with no JavaScript error of its own (requests to other hosts that fail are listed, not failed);
 - it is in the colour scheme asked for (its body's background is dark, or light), and every visible text has a
   WCAG contrast of at least 4.5 against the background it is painted on (see CONTRAST);
-- a full-page screenshot is saved under _artifacts/screenshots/ (`<page>-<pass>.png`).
+- a full-page screenshot is saved under _artifacts/screenshots/ (`<page>-<pass>.png`), for a person to look at: by
+  the command line always, by `make test-site` only with SITE_SCREENSHOTS=1 (they take some 2 minutes of CI's walk).
 In the light scheme, also:
 - every internal link resolves to a page of the site, and every #anchor to an element on that page
   (links to the published site's own URL are resolved too, but a local build must have none: see below);
@@ -417,7 +418,8 @@ def check_figure_text(page, name: str, where: str, site: Path, base: str, rep: R
                                          f'want >= {MIN_FIGURE_TEXT:g}')
 
 
-def walk(site: Path, chromium: str, max_height: int = MAX_HEIGHT, only: list[str] | None = None) -> int:
+def walk(site: Path, chromium: str, max_height: int = MAX_HEIGHT, only: list[str] | None = None,
+         screenshots: bool = True) -> int:
     from playwright.sync_api import sync_playwright
     rep, shots = Report(), ROOT/'_artifacts'/'screenshots'
     shots.mkdir(parents=True, exist_ok=True)
@@ -508,8 +510,9 @@ def walk(site: Path, chromium: str, max_height: int = MAX_HEIGHT, only: list[str
                     rep.count('API tables', t['tables'])
                     rep.check(not t['problems'], f'{where}: every API parameter table fits the screen, its descriptions '
                                                  f'readable ({len(t["problems"])} not: {t["problems"][:3]})')
-                page.screenshot(path=str(shots/f'{Path(name).stem}-{pass_name}.png'), full_page=True)
-                rep.count('screenshots')
+                if screenshots:  # for a person to look at; no check reads them
+                    page.screenshot(path=str(shots/f'{Path(name).stem}-{pass_name}.png'), full_page=True)
+                    rep.count('screenshots')
                 page.close()
             ctx.close()
         rep.counts['pages'] = len(pages)

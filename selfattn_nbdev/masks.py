@@ -162,6 +162,10 @@ def dense_mask(
     num_keys = num_tokens if num_keys is None else num_keys
     check_count(num_keys, 'num_keys'); check_count(batch, 'batch')
     check_size(heads, 'heads')
+    return _dense(mask_mod, num_tokens, num_keys, batch, heads, device, q_offset)
+
+def _dense(mask_mod, num_tokens, num_keys, batch, heads, device, q_offset=None):
+    "`dense_mask` past its checks: the predicate asked about every (query, key)."
     q_offset = num_keys - num_tokens if q_offset is None else q_offset
     q_idx = torch.arange(q_offset, q_offset + num_tokens, device=device)  # (T,)
     return _ask(mask_mod, q_idx, torch.arange(num_keys, device=device), batch, heads)
@@ -518,9 +522,8 @@ def _dense_once(mask_mod:Callable, num_tokens:int, num_keys:int, batch:int, head
     masks = None if torch.compiler.is_compiling() else _FORWARD_MASKS.get()
     key = (mask_mod, num_tokens, num_keys, batch, heads, str(device))
     if masks is None or key not in masks:
-        q_idx = torch.arange(num_keys - num_tokens, num_keys, device=device)  # (T,)
-        allowed = _ask(mask_mod, q_idx, torch.arange(num_keys, device=device), batch,
-                       heads)  # dense_mask's question; the forward checked mask_mod
+        allowed = _dense(mask_mod, num_tokens, num_keys, batch, heads,  # checked by
+                         device)                                   # the forward
         if masks is None: return allowed
         masks[key] = allowed
     return masks[key]

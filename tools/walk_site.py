@@ -48,6 +48,11 @@ FIGURE_TEXT_KEY = 'Smallest text pt'  # the PNG text chunk where a story figure 
 STORY = {'index.html', 'simple.html', 'trainable.html', 'causal.html', 'multihead.html', 'training.html',
          'generation.html', 'batches.html'}  # their figures must record it
 SEARCHES = {'softmax': {'simple.html', 'trainable.html'}, 'causal': {'causal.html'}}  # query -> pages a result must include
+# A page is ready when it has loaded, its fonts are in, its maths is typeset (KaTeX, in both builds) and every
+# attention explorer is drawn: waited for as such, rather than for a quiet network and a pause (0.6 s more a view).
+READY = """() => document.readyState === 'complete' && document.fonts.status === 'loaded'
+  && (!document.querySelector('span.math, .math.inline, .math.display') || !!document.querySelector('.katex'))
+  && [...document.querySelectorAll('[data-attention-explorer]')].every(e => e.querySelector('.ae-app'))"""
 CHROMIUM_ARGS = ['--no-sandbox', '--disable-gpu', '--no-first-run', '--disable-background-networking',
                  '--disable-component-update', '--disable-sync', '--disable-dev-shm-usage']
 
@@ -420,7 +425,7 @@ def check_figure_text(page, name: str, where: str, site: Path, base: str, rep: R
 
 def walk(site: Path, chromium: str, max_height: int = MAX_HEIGHT, only: list[str] | None = None,
          screenshots: bool = True) -> int:
-    from playwright.sync_api import sync_playwright
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout, sync_playwright
     rep, shots = Report(), ROOT/'_artifacts'/'screenshots'
     shots.mkdir(parents=True, exist_ok=True)
     server, base = serve(site)
@@ -451,8 +456,10 @@ def walk(site: Path, chromium: str, max_height: int = MAX_HEIGHT, only: list[str
                 page.on('pageerror', lambda e: errors.append(str(e)))
                 page.on('console', lambda m: errors.append(m.text) if m.type == 'error' and 'net::ERR' not in m.text
                         and 'Failed to load resource' not in m.text else None)
-                resp = page.goto(base + name, wait_until='networkidle')
-                page.wait_for_timeout(300)
+                resp = page.goto(base + name, wait_until='load')
+                try: drawn = bool(page.wait_for_function(READY, timeout=15_000))  # what a reader sees, drawn
+                except PlaywrightTimeout: drawn = False
+                rep.check(drawn, f'{where}: drawn within 15 s (loaded, fonts in, maths typeset, explorers drawn)')
                 rep.check(resp is not None and resp.ok, f'{where}: loads (HTTP {resp.status if resp else "no response"})')
                 rep.check(not errors, f'{where}: no JavaScript error (got {errors[:3]})')
                 row = table.setdefault(name, {})

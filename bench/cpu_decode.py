@@ -12,10 +12,14 @@ llama.cpp's is. Recorded:
   torch's matrix-vector product reads each shape's weights (`gemv`), row-major as the modules hold them and
   column-major; the limit of a shape is the best read rate over the bytes a token reads (`bytes_a_token`: every
   weight but the input embeddings, of which a token reads one row; a tied table is read whole as the head);
+- `compile`: per shape and thread count, the first `generate(compile=True)` (its decode step compiled) against the
+  next call, which reuses the graphs: the compile's seconds, paid once a process for each thread count (Dynamo
+  guards on torch's thread count: the first call at another count compiles again), with an empty kernel cache
+  (TORCHINDUCTOR_CACHE_DIR, a new folder unless set), as on a first run;
 - `peers`: 1 and 2 threads, a 32-token prompt and 64 new tokens at batch 1, rounds interleaving the package's
-  `generate` (growing caches) and `generate(static=True)`, transformers' `generate` (dynamic and static cache) and
-  llama.cpp (skipped without `--llamacpp-python`, a Python with llama-cpp-python and gguf: see
-  bench/llamacpp_child.py); medians of the rounds;
+  `generate` (growing caches), `generate(static=True)` and `generate(compile=True)`, transformers' `generate`
+  (dynamic and static cache) and llama.cpp (skipped without `--llamacpp-python`, a Python with llama-cpp-python
+  and gguf: see bench/llamacpp_child.py); medians of the rounds;
 - `costs`: at 1 thread, contexts of 32, 512 and the longest the shape takes less the new tokens (1,984 for the
   Llama shape, 960 for GPT-2's 1,024) at batch 1, and batches of 4 and 16 at 32: the package's `generate`, with the
   bytes a step reads over its time, and beside it transformers (dynamic and static cache) and llama.cpp (batch 1:
@@ -105,10 +109,20 @@ def gemv_rate(model, column_major: bool) -> float:
     return sum(m.nbytes for m in mats) / min(times)
 
 
-def ours_rate(model, ids, new, static=False) -> tuple:
+def ours_rate(model, ids, new, static=None, compile=False) -> tuple:  # static None: generate's choice
     steps = []
-    out = generate(model, ids, new, step_times=steps, static=static, stop_ids=[])
+    out = generate(model, ids, new, step_times=steps, static=static, stop_ids=[], compile=compile)
     return (new - 1) * ids.shape[0] / sum(steps[1:]), out[:, ids.shape[1]:]
+
+
+def compile_seconds(model, ids, new) -> dict:
+    "The first `generate(compile=True)` of a model, whose step compiles, against the next, which reuses it."
+    times = []
+    for _ in range(2):
+        start = time.perf_counter()
+        generate(model, ids, new, stop_ids=[], compile=True)
+        times.append(time.perf_counter() - start)
+    return dict(first_call_s=times[0], next_call_s=times[1], compile_s=times[0] - times[1])
 
 
 def hf_rate(hf, ids, new, static=False) -> tuple:
@@ -213,6 +227,8 @@ def main():
     parser.add_argument('--out', default=str(ROOT/'bench'/'cpu_decode.json'))
     parser.add_argument('--no-large', action='store_true', help='leave out the 1 B shape')
     args = parser.parse_args()
+    # a fresh cache for torch.compile's kernels (read when it compiles), so `compile` times a first run's compile
+    os.environ.setdefault('TORCHINDUCTOR_CACHE_DIR', tempfile.mkdtemp(prefix='cpu_decode_inductor_'))
     import transformers
     transformers.logging.set_verbosity_error(); transformers.utils.logging.disable_progress_bar()
     load = [os.getloadavg()[0]]
@@ -242,7 +258,16 @@ def main():
         result['shapes'][name] = dict(config=SHAPES[name], bytes_a_token=read,
                                       gemv_row_major=gemv_rate(ours, False), gemv_column_major=gemv_rate(ours, True))
     # peers, interleaved: rounds outermost, so every system sees the same moments of the machine
-    systems = ['package generate', 'package static', 'transformers dynamic', 'transformers static']
+    for name, (hf, ours) in shapes.items():  # compiled before the rounds reuse it: once per thread count, since
+        ids = torch.randint(3, SHAPES[name]['vocab_size'], (1, PROMPT))  # Dynamo guards on torch's thread count
+        compiles = {}
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            with torch.no_grad(): compiles[f'{threads}'] = compile_seconds(ours, ids, NEW)
+        result['shapes'][name]['compile'] = compiles
+        print(name, 'compile', compiles, flush=True)
+    systems = ['package generate', 'package static', 'package compiled', 'transformers dynamic',
+               'transformers static']
     if args.llamacpp_python: systems.append('llama.cpp')
     rates, equal = collections.defaultdict(list), collections.defaultdict(list)
     for r in range(args.rounds):
@@ -252,6 +277,7 @@ def main():
                 ids = torch.randint(3, SHAPES[name]['vocab_size'], (1, PROMPT), generator=torch.Generator().manual_seed(r))
                 with torch.no_grad():
                     got = {'package generate': ours_rate(ours, ids, NEW), 'package static': ours_rate(ours, ids, NEW, True),
+                           'package compiled': ours_rate(ours, ids, NEW, compile=True),
                            'transformers dynamic': hf_rate(hf, ids, NEW), 'transformers static': hf_rate(hf, ids, NEW, True)}
                 first = got['package generate'][1].tolist()
                 for k, (_, t) in got.items(): equal[name, k].append(t.tolist() == first)

@@ -1,6 +1,6 @@
 """bench/cpu_decode.py's own code on tiny models: the bytes a token reads (tied and untied heads, no position table),
 the bare decode step it measures as headroom (the model's logits, weights row-major and column-major, GPT-2 and a
-Llama with grouped key/value heads), and the profile's breakdown of a step."""
+Llama with grouped key/value heads), the profile's breakdown of a step, and how the compile's seconds are counted."""
 import pytest
 import torch
 
@@ -38,3 +38,13 @@ def test_the_profile_accounts_for_the_step():
     prof = cpu_decode.profile_step(tiny('llama'))
     assert prof['operator_calls'] > 10 and prof['ms']['weights (linear)'] > 0
     assert sum(prof['ms'].values()) <= 1.5 * prof['profiled_step_ms']
+
+
+def test_compile_seconds_is_the_first_call_less_the_next(monkeypatch):
+    "The first generate(compile=True) pays the compile; the next reuses it: their difference is the compile's time."
+    calls, clock = [], iter([0.0, 5.0, 5.0, 6.0])
+    monkeypatch.setattr(cpu_decode.time, 'perf_counter', lambda: next(clock))
+    monkeypatch.setattr(cpu_decode, 'generate', lambda *a, **k: calls.append(k))
+    got = cpu_decode.compile_seconds(None, None, 4)
+    assert got == dict(first_call_s=5.0, next_call_s=1.0, compile_s=4.0)
+    assert [k['compile'] for k in calls] == [True, True]

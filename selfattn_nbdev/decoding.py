@@ -7,7 +7,7 @@ __all__ = ['DECODE_MIN_BOUND', 'decode_bound', 'StaticKVCache', 'stack_weights',
            'keep_min_p', 'sample_next', 'generate_stream', 'generate']
 
 # %% ../nbs/07_batches.ipynb #312f198d
-import collections, inspect, math, threading, time
+import collections, inspect, math, threading, time, warnings
 from contextlib import contextmanager
 
 import torch
@@ -426,6 +426,15 @@ def _decode_step(
     "The decode step: the model, or the model compiled once for every step."
     if compile is False: return model
     device = next(model.parameters()).device
+    threads = torch.get_num_threads()  # Dynamo guards on it: a new count compiles again
+    compiled_at = model.__dict__.setdefault('_compiled_at_threads', set())
+    if compiled_at and threads not in compiled_at:  # not silently: it takes seconds
+        warnings.warn(f"generate(compile=...): the decode step was compiled with "
+                      f"torch on {sorted(compiled_at)} thread(s) and now runs "
+                      f"{threads}; Dynamo guards on the count, so the step compiles "
+                      f"again (seconds, once per count). Keep torch.set_num_threads "
+                      f"fixed to compile once.", stacklevel=4)
+    compiled_at.add(threads)
     # static shapes: a graph per bound (decode_bound), none traced with a symbolic one
     options = dict(fullgraph=True, dynamic=False) if compile is True else dict(compile)
     if compile is True and device.type == 'cuda': options['mode'] = 'reduce-overhead'

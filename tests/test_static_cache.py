@@ -86,6 +86,28 @@ def test_compile_once_for_a_whole_generation():
     assert all(torch.equal(a, b) for a, b in zip(out, generate(model, prompts, 50)))
 
 
+def test_a_new_thread_count_compiles_again_and_says_so():
+    "Dynamo guards on torch's thread count: the step compiles again at a new count, once, with a warning naming both."
+    import warnings
+    model, prompt = _model({}), torch.randint(0, 37, (1, 5))
+    options, before = dict(backend='eager', fullgraph=True), torch.get_num_threads()
+    def graphs_after(threads):  # the step's graphs once generate ran at `threads`
+        torch.set_num_threads(threads)
+        generate(model, prompt, 3, compile=options)
+        return counters['stats']['unique_graphs']
+    torch._dynamo.reset(); counters.clear()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter('error')                      # the first count: no warning
+            assert graphs_after(1) == 1
+        with pytest.warns(UserWarning, match=r"compiled with torch on \[1\] thread\(s\) and now runs 2"):
+            assert graphs_after(2) == 2                         # compiled again: the warning is true
+        with warnings.catch_warnings():
+            warnings.simplefilter('error')                      # counts already compiled: silent, no graph
+            assert graphs_after(2) == 2 and graphs_after(1) == 2
+    finally: torch.set_num_threads(before)
+
+
 @pytest.mark.slow
 def test_compile_once_per_bound_with_inductor_over_512_tokens():
     "One static graph per bound the text crosses (decode_bound): here 256, 512 and the capacity, 544."

@@ -6,7 +6,8 @@
 
 Every page in the sidebar is opened four times: at 1280 px and at a 390 px phone width, each in the light and
 in the dark colour scheme (the browser says `prefers-color-scheme: dark`, as a reader's system does). Each time:
-- it loads, with no JavaScript error of its own (requests to other hosts that fail are listed, not failed);
+- it loads, with no JavaScript error of its own (requests to other hosts that fail are listed, not failed), and
+  is drawn within 15 s: fonts in, maths typeset, attention explorers drawn (READY; the checks wait for it);
 - it is in the colour scheme asked for (its body's background is dark, or light), and every visible text has a
   WCAG contrast of at least 4.5 against the background it is painted on (see CONTRAST);
 - a full-page screenshot is saved under _artifacts/screenshots/ (`<page>-<pass>.png`), for a person to look at: by

@@ -528,6 +528,18 @@ def _dense_once(mask_mod:Callable, num_tokens:int, num_keys:int, batch:int, head
         masks[key] = allowed
     return masks[key]
 
+def _opened_once(mask_mod:Callable, num_tokens:int, num_keys:int, batch:int,
+                 heads:int, device) -> tuple: # SDPA's mask, dead: bool (b, h, T, 1)
+    "`_dense_once`'s mask, each query that sees no key opened: made once a forward."
+    masks = None if torch.compiler.is_compiling() else _FORWARD_MASKS.get()
+    key = ('opened', mask_mod, num_tokens, num_keys, batch, heads, str(device))
+    if masks is None or key not in masks:
+        allowed = _dense_once(mask_mod, num_tokens, num_keys, batch, heads, device)
+        dead = ~allowed.any(-1, keepdim=True)               # (b, h, T, 1): no key
+        if masks is None: return allowed | dead, dead
+        masks[key] = allowed | dead, dead
+    return masks[key]
+
 # %% ../nbs/10_masks.ipynb #53653628
 def _check_document_ids(
     document_ids, # None, or what the caller passed as document_ids
@@ -780,6 +792,11 @@ def _attend_masked(self:MultiHeadAttention,
         return self._attend_unfused(queries, keys, values, key_padding_mask,
                                     document_ids, mask_mod, score_mod, choice)
     if scored: _refuse_kernel(choice, "SDPA takes no score function")
+    if mask_mod is not None and not padded:  # yours alone: causal, window not asked
+        opened, dead = _opened_once(mask_mod, T, T, queries.shape[0], self.num_heads,
+                                    queries.device)  # once a model's forward
+        context = self._attend_fused(queries, keys, values, opened, every_row=True)
+        return context.masked_fill(dead, 0.0)
     allowed = self._allowed(T, T, key_padding_mask, queries.shape[0],
                             document_ids=document_ids, mask_mod=mask_mod)
     return self._attend_fused(queries, keys, values, allowed)  # SDPA, the dense mask

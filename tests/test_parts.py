@@ -250,6 +250,35 @@ def test_a_models_forward_builds_a_mask_mods_dense_mask_once(monkeypatch):
     assert len(built) == 4 and torch.equal(shared, alone)
 
 
+def test_a_mask_mod_alone_builds_no_causal_mask_and_opens_empty_rows_once(monkeypatch):
+    """Your mask_mod takes the place of causal and window: no causal mask is built, and SDPA's mask (each query
+    with no key opened, zeroed after) is made once a forward for four blocks; such a query gives 0, as explicit."""
+    from selfattn_nbdev import masks, multihead
+    from selfattn_nbdev.masks import attention_kernel
+    model, ids = _llama(), torch.randint(0, 64, (2, 24))
+    def late(b, h, q_idx, kv_idx): return (kv_idx <= q_idx) & (q_idx >= 3)  # queries 0-2: no key
+    with torch.no_grad(), attention_kernel('explicit'): explicit = model(ids, mask_mod=late)
+    causal_built = _count_calls(monkeypatch, multihead, 'causal_allowed', slice(0, 1))
+    dense_built = _count_calls(monkeypatch, masks, '_dense_once', slice(1, 3))
+    with torch.no_grad(): fused = model(ids, mask_mod=late)
+    assert causal_built == [] and dense_built == [(24, 24)], (causal_built, dense_built)
+    assert torch.allclose(fused, explicit, atol=1e-5)
+
+
+def test_a_call_whose_later_inputs_are_all_none_asks_no_part(monkeypatch):
+    "A block passes document_ids=None when it has none: the call's parts are not asked; one given is, per block."
+    model, ids = _llama(), torch.randint(0, 64, (1, 12))
+    asked, (names, part) = [], MultiHeadAttention._call_parts['masks']
+    monkeypatch.setitem(MultiHeadAttention._call_parts, 'masks',
+                        (names, lambda *a: asked.append(a[4]) or part(*a)))
+    with torch.no_grad(): plain = model(ids)
+    assert asked == []
+    with torch.no_grad(): windowed = model(ids, mask_mod=sliding_window(3))
+    assert len(asked) == 4 and not torch.allclose(plain, windowed)
+    with pytest.raises(TypeError, match='unexpected keyword arguments: colour'):
+        model.blocks[0].attn(torch.randn(1, 3, 32), colour=None)  # None, yet unknown
+
+
 def test_nothing_is_kept_from_one_forward_to_the_next():
     "A mask_mod that reads a tensor: changed between two calls, the second call sees the change."
     from selfattn_nbdev import masks

@@ -118,7 +118,8 @@ def rope_rotate(
                          f"{tuple(cos.shape)}, sin {tuple(sin.shape)}")
     first, second = x.chunk(2, dim=-1)                          # (..., T, d / 2) each
     rotated_half = torch.cat([-second, first], dim=-1)          # (-x2, x1)
-    return (x * cos + rotated_half * sin).to(x.dtype)
+    turned = x * cos + rotated_half * sin  # float32 tables: a half x comes back float32
+    return turned if turned.dtype == x.dtype else turned.to(x.dtype)
 
 # %% ../nbs/09_modern.ipynb #4f0e44dd
 def apply_rope(

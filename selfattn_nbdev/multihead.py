@@ -325,7 +325,7 @@ def _inputs(self:MultiHeadAttention,
     weight = self.W_query.weight
     check_tokens(x, self.d_in, weight.dtype, weight.device)
     check_flag(return_attn_weights, 'return_attn_weights')
-    _check_padding_mask(key_padding_mask, x)
+    if key_padding_mask is not None: _check_padding_mask(key_padding_mask, x)
     if scale is not None: _check_scale(scale)
     positions = NotImplemented  # a later page's part may answer: packed documents
     if mask_inputs:  # the parts that take these inputs check them
@@ -333,7 +333,8 @@ def _inputs(self:MultiHeadAttention,
         unknown = sorted(set(mask_inputs) - known)
         if unknown: raise TypeError(f"forward() got unexpected keyword arguments: "
                                     f"{', '.join(unknown)}")
-        for _, part in self._call_parts.values():
+    if mask_inputs and any(v is not None for v in mask_inputs.values()):  # a block
+        for _, part in self._call_parts.values():  # passes None for what it lacks
             answer = part(self, x, key_padding_mask, cache, mask_inputs)
             if answer is not NotImplemented: positions = answer
     unbatched = x.dim() == 2

@@ -511,34 +511,33 @@ def _in_runs(
     return context.transpose(1, 2)                                    # (b, h, T, hd)
 
 # %% ../nbs/10_masks.ipynb #ca0f4f0f
-# a model's forward: {(mask_mod, T, S, batch, heads, device): its dense mask}; None
-# outside one, where every call builds its own (a mask_mod may read a tensor that
-# changes between calls, never during one)
+# a model's forward: {key: a mask its blocks share (a mask_mod's dense mask, SDPA's
+# form of it)}; None outside one, where every call builds its own (a mask_mod may
+# read a tensor that changes between calls, never during one)
 _FORWARD_MASKS = contextvars.ContextVar('forward_masks', default=None)
+
+def _kept(key:tuple, make:Callable): # what make() returns, made once a forward
+    "`make()` once a model's forward, kept in its scope for the other blocks that ask."
+    masks = None if torch.compiler.is_compiling() else _FORWARD_MASKS.get()
+    if masks is None: return make()  # outside a forward (or compiling): every call
+    if key not in masks: masks[key] = make()
+    return masks[key]
 
 def _dense_once(mask_mod:Callable, num_tokens:int, num_keys:int, batch:int, heads:int,
                 device) -> Tensor: # bool (b, heads, T, S), True = attend
     "`dense_mask`, asked once a forward and kept for the other blocks that ask again."
-    masks = None if torch.compiler.is_compiling() else _FORWARD_MASKS.get()
-    key = (mask_mod, num_tokens, num_keys, batch, heads, str(device))
-    if masks is None or key not in masks:
-        allowed = _dense(mask_mod, num_tokens, num_keys, batch, heads,  # checked by
-                         device)                                   # the forward
-        if masks is None: return allowed
-        masks[key] = allowed
-    return masks[key]
+    return _kept((mask_mod, num_tokens, num_keys, batch, heads, str(device)),
+                 lambda: _dense(mask_mod, num_tokens, num_keys, batch, heads, device))
 
 def _opened_once(mask_mod:Callable, num_tokens:int, num_keys:int, batch:int,
                  heads:int, device) -> tuple: # SDPA's mask, dead: bool (b, h, T, 1)
     "`_dense_once`'s mask, each query that sees no key opened: made once a forward."
-    masks = None if torch.compiler.is_compiling() else _FORWARD_MASKS.get()
-    key = ('opened', mask_mod, num_tokens, num_keys, batch, heads, str(device))
-    if masks is None or key not in masks:
+    def make():
         allowed = _dense_once(mask_mod, num_tokens, num_keys, batch, heads, device)
-        dead = ~allowed.any(-1, keepdim=True)               # (b, h, T, 1): no key
-        if masks is None: return allowed | dead, dead
-        masks[key] = allowed | dead, dead
-    return masks[key]
+        dead = ~allowed.any(-1, keepdim=True)                   # (b, h, T, 1): no key
+        return allowed | dead, dead
+    return _kept(('opened', mask_mod, num_tokens, num_keys, batch, heads, str(device)),
+                 make)
 
 # %% ../nbs/10_masks.ipynb #53653628
 def _check_document_ids(

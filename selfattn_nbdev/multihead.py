@@ -325,7 +325,7 @@ def _inputs(self:MultiHeadAttention,
     weight = self.W_query.weight
     check_tokens(x, self.d_in, weight.dtype, weight.device)
     check_flag(return_attn_weights, 'return_attn_weights')
-    if key_padding_mask is not None: _check_padding_mask(key_padding_mask, x)
+    _check_padding_mask(key_padding_mask, x)
     if scale is not None: _check_scale(scale)
     positions = NotImplemented  # a later page's part may answer: packed documents
     if mask_inputs:  # the parts that take these inputs check them

@@ -333,10 +333,10 @@ def _inputs(self:MultiHeadAttention,
         unknown = sorted(set(mask_inputs) - known)
         if unknown: raise TypeError(f"forward() got unexpected keyword arguments: "
                                     f"{', '.join(unknown)}")
-    if mask_inputs and any(v is not None for v in mask_inputs.values()):  # a block
-        for _, part in self._call_parts.values():  # passes None for what it lacks
+        given = [name for name, value in mask_inputs.items() if value is not None]
+        for _, part in self._call_parts.values() if given else ():  # a block passes
             answer = part(self, x, key_padding_mask, cache, mask_inputs)
-            if answer is not NotImplemented: positions = answer
+            if answer is not NotImplemented: positions = answer  # None: not asked
     unbatched = x.dim() == 2
     if unbatched:  # one sequence: a batch axis of 1, removed again at the end
         x = x[None]

@@ -516,18 +516,18 @@ def _in_runs(
 # read a tensor that changes between calls, never during one)
 _FORWARD_MASKS = contextvars.ContextVar('forward_masks', default=None)
 
-def _kept(key:tuple, make:Callable): # what make() returns, made once a forward
-    "`make()` once a model's forward, kept in its scope for the other blocks that ask."
+def _kept(key:tuple, make:Callable, *args): # what make(*args) returns
+    "`make(*args)` once a model's forward, kept in its scope for the other blocks."
     masks = None if torch.compiler.is_compiling() else _FORWARD_MASKS.get()
-    if masks is None: return make()  # outside a forward (or compiling): every call
-    if key not in masks: masks[key] = make()
+    if masks is None: return make(*args)  # outside a forward (or compiling): each call
+    if key not in masks: masks[key] = make(*args)
     return masks[key]
 
 def _dense_once(mask_mod:Callable, num_tokens:int, num_keys:int, batch:int, heads:int,
                 device) -> Tensor: # bool (b, heads, T, S), True = attend
     "`dense_mask`, asked once a forward and kept for the other blocks that ask again."
-    return _kept((mask_mod, num_tokens, num_keys, batch, heads, str(device)),
-                 lambda: _dense(mask_mod, num_tokens, num_keys, batch, heads, device))
+    return _kept((mask_mod, num_tokens, num_keys, batch, heads, str(device)), _dense,
+                 mask_mod, num_tokens, num_keys, batch, heads, device)
 
 def _opened_once(mask_mod:Callable, num_tokens:int, num_keys:int, batch:int,
                  heads:int, device) -> tuple: # SDPA's mask, dead: bool (b, h, T, 1)

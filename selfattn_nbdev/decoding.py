@@ -206,15 +206,17 @@ def _plain(linear:nn.Module) -> bool:
             and not linear._forward_pre_hooks and not hooks._global_forward_hooks
             and not hooks._global_forward_pre_hooks)
 
+_ORDINARY = (Tensor, nn.Parameter)  # no tensor subclass (a DTensor, a quantized one)
+
 def _end_to_end(
     tensors:list, # the weights (or biases) of linears that read one input
 ) -> bool: # True if each follows the last in one storage, all plain and contiguous
     "Whether one view can span `tensors`: end to end in one storage."
     first = tensors[0]
-    if type(first.data) is not Tensor or first.is_meta: return False
+    if type(first) not in _ORDINARY or first.is_meta: return False
     storage, address = first.untyped_storage().data_ptr(), first.data_ptr()
     for t in tensors:
-        if (type(t.data) is not Tensor or t.dtype != first.dtype
+        if (type(t) not in _ORDINARY or t.dtype != first.dtype
                 or t.device != first.device or not t.is_contiguous()
                 or t.data_ptr() != address
                 or t.untyped_storage().data_ptr() != storage): return False

@@ -157,8 +157,9 @@ def _positions(self:TinyGPT,
                attn_inputs:dict, # the rest of the call: a later page's rule reads it
               ) -> Tensor: # (b | 1, num_tokens): the position of each token
     "A later page's part's answer, if it has one; else 0, 1, ... or after the cache."
-    for part in self._call_parts.values():
-        positions = part(self, token_ids, caches, attn_inputs)
+    answers = [part(self, token_ids, caches, attn_inputs)  # every part is asked: each
+               for part in self._call_parts.values()]      # readies what it reads
+    for positions in answers:
         if positions is not NotImplemented: return positions
     self._check_call(token_ids, caches)
     num_new, device = token_ids.shape[1], token_ids.device

@@ -225,13 +225,14 @@ RUNS_MIN_TOKENS, RUNS_MAX = 1024, 256  # a CPU attends run by run: from, at most
 RUN_WORTH = 2 ** 14  # and at most n² / RUN_WORTH runs of n tokens: a call must pay
 BLOCK_MIN_PAIRS = 2048 ** 2  # a score function without Flex: tiled from T x S pairs
 KERNELS = ('sdpa', 'varlen', 'flex', 'flex_eager', 'dense', 'block', 'explicit')
-_modes = threading.local()  # each thread its own flex_mode ('auto' until it sets one)
+class _Modes(threading.local): mode, kernel = 'auto', None  # till a thread sets its own
+_modes = _Modes()  # each thread's flex_mode and attention_kernel
 _flex = {'compiled': None, 'block_masks': collections.OrderedDict(),
          'last': (None, (), None, None),  # the last per-batch block mask
          'lock': threading.Lock()}
 
-def _current_mode() -> str: return getattr(_modes, 'mode', 'auto')  # this thread's
-def _forced_kernel() -> str|None: return getattr(_modes, 'kernel', None)  # this thread
+def _current_mode() -> str: return _modes.mode  # this thread's
+def _forced_kernel() -> str|None: return _modes.kernel  # this thread's
 
 @contextlib.contextmanager
 def flex_mode(
@@ -530,14 +531,25 @@ def _dense_once(mask_mod:Callable, num_tokens:int, num_keys:int, batch:int, head
                  mask_mod, num_tokens, num_keys, batch, heads, device)
 
 def _opened_once(mask_mod:Callable, num_tokens:int, num_keys:int, batch:int,
-                 heads:int, device) -> tuple: # SDPA's mask, dead: bool (b, h, T, 1)
-    "`_dense_once`'s mask, each query that sees no key opened: made once a forward."
+                 heads:int, device,
+                 key_padding_mask:Tensor|None=None, # bool (b, S), True = padding
+                 document_ids:Tensor|None=None, # int (b, T): packed documents
+                ) -> tuple: # SDPA's mask, dead: bool (b, h, T, 1)
+    "`_dense_once`'s mask, padding and others' documents hidden, empty rows opened."
     def make():
         allowed = _dense_once(mask_mod, num_tokens, num_keys, batch, heads, device)
+        if key_padding_mask is not None:                        # (b, 1, 1, S)
+            allowed = allowed & ~key_padding_mask[:, None, None, :]
+        if document_ids is not None:                            # (b, 1, T, S)
+            allowed = allowed & _dense(documents(document_ids), num_tokens, num_keys,
+                                       document_ids.shape[0], 1, device)
         dead = ~allowed.any(-1, keepdim=True)                   # (b, h, T, 1): no key
         return allowed | dead, dead
-    return _kept(('opened', mask_mod, num_tokens, num_keys, batch, heads, str(device)),
-                 make)
+    reads = (key_padding_mask, document_ids)
+    versions = _versions(reads)  # None: not the copies a model's blocks share
+    if versions is None: return make()  # (the caller's own may change between calls)
+    return _kept(('opened', mask_mod, num_tokens, num_keys, batch, heads, str(device),
+                  reads, versions), make)
 
 # %% ../nbs/10_masks.ipynb #53653628
 def _check_document_ids(
@@ -791,9 +803,9 @@ def _attend_masked(self:MultiHeadAttention,
         return self._attend_unfused(queries, keys, values, key_padding_mask,
                                     document_ids, mask_mod, score_mod, choice)
     if scored: _refuse_kernel(choice, "SDPA takes no score function")
-    if mask_mod is not None and not padded:  # yours alone: causal, window not asked
+    if mask_mod is not None:  # yours, in place of causal and window; padding; documents
         opened, dead = _opened_once(mask_mod, T, T, queries.shape[0], self.num_heads,
-                                    queries.device)  # once a model's forward
+                                    queries.device, key_padding_mask, document_ids)
         context = self._attend_fused(queries, keys, values, opened, every_row=True)
         return context.masked_fill(dead, 0.0)
     allowed = self._allowed(T, T, key_padding_mask, queries.shape[0],
@@ -867,9 +879,12 @@ def _end_forward_masks(model, args, kwargs, output): # after every forward: the
 def _forward_masks_part(
     model:torch.nn.Module, # the model called: a TinyGPT, or one built like it
     token_ids:Tensor, caches:list|None, # not read
-    attn_inputs:dict, # the call's inputs: a mask_mod, if any
+    attn_inputs:dict, # the call's inputs: a padding mask, a mask_mod, if any
 ): # NotImplemented: the positions are another part's, or the model's own
-    "With a mask_mod, a scope for this forward in which its blocks share dense masks."
+    "One copy of the padding for the blocks; with a mask_mod, a scope to share masks."
+    padding = attn_inputs.get('key_padding_mask')  # its runs, its masks: found once
+    if isinstance(padding, Tensor):
+        attn_inputs['key_padding_mask'] = _share_across_blocks(padding)
     if attn_inputs.get('mask_mod') is None or torch.compiler.is_compiling():
         return NotImplemented
     if '_forward_masks_tokens' not in model.__dict__:  # the model's first such call:
@@ -880,7 +895,7 @@ def _forward_masks_part(
     model._forward_masks_tokens.append(_open_forward_masks())
     return NotImplemented
 
-# first: it answers no positions, and the documents' part below may
+# it answers no positions; the documents' part below may (every part is asked)
 MultiHeadAttention._model_parts['forward_masks'] = _forward_masks_part
 
 # %% ../nbs/10_masks.ipynb #15ed15b8

@@ -265,6 +265,41 @@ def test_a_mask_mod_alone_builds_no_causal_mask_and_opens_empty_rows_once(monkey
     assert torch.allclose(fused, explicit, atol=1e-5)
 
 
+
+@pytest.mark.parametrize('given', ['padding', 'documents'])
+def test_a_mask_mod_with_padding_or_documents_builds_its_mask_once_a_forward(monkeypatch, given):
+    """With padding or packed documents beside your mask_mod, SDPA's mask is still made once a forward for four
+    blocks, with no causal mask built; it equals the explicit path's, rows with no key included."""
+    from selfattn_nbdev import masks, multihead
+    from selfattn_nbdev.masks import attention_kernel
+    model, ids = _llama(), torch.randint(0, 64, (2, 24))
+    def late(b, h, q_idx, kv_idx): return (kv_idx <= q_idx) & (q_idx >= 3)  # queries 0-2: no key
+    padding = torch.zeros(2, 24, dtype=torch.bool); padding[1, :5] = True   # row 1: 5 pads on the left
+    inputs = (dict(key_padding_mask=padding) if given == 'padding' else
+              dict(document_ids=torch.tensor([[0] * 10 + [1] * 14, [0] * 20 + [1] * 4])))
+    with torch.no_grad(), attention_kernel('explicit'): explicit = model(ids, mask_mod=late, **inputs)
+    causal_built = _count_calls(monkeypatch, multihead, 'causal_allowed', slice(0, 1))
+    opened = _count_calls(monkeypatch, masks, '_dense_once', slice(1, 3))
+    with torch.no_grad(): fused = model(ids, mask_mod=late, **inputs)
+    assert causal_built == [] and opened == [(24, 24)], (causal_built, opened)
+    real = ~padding[..., None] if given == 'padding' else torch.ones(2, 24, 1, dtype=torch.bool)
+    assert torch.allclose(fused * real, explicit * real, atol=1e-5)
+
+
+def test_a_callers_own_padding_is_read_again_at_every_call_in_a_shared_scope():
+    "shared_masks(): a padding mask the caller changes in place between two calls is read anew (not kept)."
+    from selfattn_nbdev.masks import shared_masks
+    attn = _llama(1).blocks[0].attn
+    x, padding = torch.randn(1, 6, 32), torch.zeros(1, 6, dtype=torch.bool)
+    def anything(b, h, q_idx, kv_idx): return kv_idx <= q_idx
+    with torch.no_grad(), shared_masks():
+        first = attn(x, key_padding_mask=padding, mask_mod=anything)
+        padding[0, :2] = True
+        second = attn(x, key_padding_mask=padding, mask_mod=anything)
+        alone = attn(x[:, 2:], mask_mod=anything)
+    assert not torch.allclose(first[:, 2:], second[:, 2:])
+    assert torch.allclose(second[:, 2:], alone, atol=1e-5)
+
 def test_a_call_whose_later_inputs_are_all_none_asks_no_part(monkeypatch):
     "A block passes document_ids=None when it has none: the call's parts are not asked; one given is, per block."
     model, ids = _llama(), torch.randint(0, 64, (1, 12))

@@ -363,3 +363,20 @@ def test_compiled_generation_writes_the_eager_tokens(name):
             ids = torch.cat([ids, model(ids)[:, -1].argmax(-1, keepdim=True)], 1)
     assert torch.equal(generate(model, prompt, 8), ids)
     assert torch.equal(generate(model, prompt, 8, compile=True), ids)
+
+
+def test_a_weight_of_a_tensor_subclass_is_never_read_through_the_stack():
+    "A subclass (as a DTensor or a quantized weight is) at the stacked address: the linears are called, not one view."
+    class Marked(torch.Tensor):
+        pass
+    torch.manual_seed(0)
+    a, e = nn.Linear(4, 3), nn.Linear(4, 2)
+    pair = nn.Module(); pair.a, pair.e = a, e; pair.stacked_linears = (('a', 'e'),)
+    x = torch.randn(2, 4)
+    with stacked(pair), torch.no_grad():
+        with CountLinear() as counted: project(x, a, e)
+        assert counted.calls == 1                                         # stacked: one product
+        e.weight = nn.Parameter(torch.Tensor._make_subclass(Marked, e.weight.detach()))
+        assert type(e.weight) is Marked and e.weight.data_ptr() == a.weight.data_ptr() + 12 * 4
+        with CountLinear() as counted: ya, ye = project(x, a, e)
+        assert counted.calls == 2 and torch.allclose(ye, F.linear(x, e.weight, e.bias))

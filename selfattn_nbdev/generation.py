@@ -157,10 +157,11 @@ def _positions(self:TinyGPT,
                attn_inputs:dict, # the rest of the call: a later page's rule reads it
               ) -> Tensor: # (b | 1, num_tokens): the position of each token
     "A later page's part's answer, if it has one; else 0, 1, ... or after the cache."
-    answers = [part(self, token_ids, caches, attn_inputs)  # every part is asked: each
-               for part in self._call_parts.values()]      # readies what it reads
-    for positions in answers:
-        if positions is not NotImplemented: return positions
+    positions = NotImplemented
+    for part in self._call_parts.values():  # each is asked: it readies its input
+        answer = part(self, token_ids, caches, attn_inputs)
+        if positions is NotImplemented: positions = answer  # the first answer
+    if positions is not NotImplemented: return positions
     self._check_call(token_ids, caches)
     num_new, device = token_ids.shape[1], token_ids.device
     return (torch.arange(num_new, device=device)[None] if caches is None

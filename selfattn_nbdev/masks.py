@@ -546,7 +546,8 @@ def _opened_once(mask_mod:Callable, num_tokens:int, num_keys:int, batch:int,
         dead = ~allowed.any(-1, keepdim=True)                   # (b, h, T, 1): no key
         return allowed | dead, dead
     reads = (key_padding_mask, document_ids)
-    versions = _versions(reads)  # None: not the copies a model's blocks share
+    versions = (reads if key_padding_mask is None and document_ids is None else
+                _versions(reads))  # None: not the copies a model's blocks share
     if versions is None: return make()  # (the caller's own may change between calls)
     return _kept(('opened', mask_mod, num_tokens, num_keys, batch, heads, str(device),
                   reads, versions), make)

@@ -530,27 +530,36 @@ def _dense_once(mask_mod:Callable, num_tokens:int, num_keys:int, batch:int, head
     return _kept((mask_mod, num_tokens, num_keys, batch, heads, str(device)), _dense,
                  mask_mod, num_tokens, num_keys, batch, heads, device)
 
-def _opened_once(mask_mod:Callable, num_tokens:int, num_keys:int, batch:int,
-                 heads:int, device,
-                 key_padding_mask:Tensor|None=None, # bool (b, S), True = padding
+def _opened_once(m:MultiHeadAttention, # the module: its causal flag, window, rules
+                 num_tokens:int, batch:int, device, # a whole sequence of T tokens
+                 key_padding_mask:Tensor|None=None, # bool (b, T), True = padding
                  document_ids:Tensor|None=None, # int (b, T): packed documents
-                ) -> tuple: # SDPA's mask, dead: bool (b, h, T, 1)
-    "`_dense_once`'s mask, padding and others' documents hidden, empty rows opened."
+                 mask_mod:Callable|None=None, # yours, in place of causal and window
+                ) -> tuple: # SDPA's mask (b | 1, h | 1, T, T), dead: (..., T, 1)
+    "The module's mask (`_allowed`), empty rows opened: made once a model's forward."
     def make():
-        allowed = _dense_once(mask_mod, num_tokens, num_keys, batch, heads, device)
-        if key_padding_mask is not None:                        # (b, 1, 1, S)
-            allowed = allowed & ~key_padding_mask[:, None, None, :]
-        if document_ids is not None:                            # (b, 1, T, S)
-            allowed = allowed & _dense(documents(document_ids), num_tokens, num_keys,
-                                       document_ids.shape[0], 1, device)
+        if mask_mod is None:  # causal or a window; padding; documents
+            allowed = m._allowed(num_tokens, num_tokens, key_padding_mask, batch,
+                                 document_ids=document_ids)
+            if allowed is None:  # none of them (attention_kernel('dense')): every key
+                allowed = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
+        else:  # yours: as `_allowed` with your rule, the causal mask not built
+            allowed = _dense_once(mask_mod, num_tokens, num_tokens, batch, m.num_heads,
+                                  device)
+            if key_padding_mask is not None:                    # (b, 1, 1, T)
+                allowed = allowed & ~key_padding_mask[:, None, None, :]
+            if document_ids is not None:                        # (b, 1, T, T)
+                allowed = allowed & _dense(documents(document_ids), num_tokens,
+                                           num_tokens, document_ids.shape[0], 1, device)
         dead = ~allowed.any(-1, keepdim=True)                   # (b, h, T, 1): no key
         return allowed | dead, dead
+    if torch.compiler.is_compiling(): return make()  # a graph keeps nothing
     reads = (key_padding_mask, document_ids)
     versions = (reads if key_padding_mask is None and document_ids is None else
                 _versions(reads))  # None: not the copies a model's blocks share
     if versions is None: return make()  # (the caller's own may change between calls)
-    return _kept(('opened', mask_mod, num_tokens, num_keys, batch, heads, str(device),
-                  reads, versions), make)
+    own = (m.causal, m.window) if mask_mod is None else (mask_mod, m.num_heads)
+    return _kept(('opened', own, num_tokens, batch, str(device), reads, versions), make)
 
 # %% ../nbs/10_masks.ipynb #53653628
 def _check_document_ids(
@@ -804,14 +813,10 @@ def _attend_masked(self:MultiHeadAttention,
         return self._attend_unfused(queries, keys, values, key_padding_mask,
                                     document_ids, mask_mod, score_mod, choice)
     if scored: _refuse_kernel(choice, "SDPA takes no score function")
-    if mask_mod is not None:  # yours, in place of causal and window; padding; documents
-        opened, dead = _opened_once(mask_mod, T, T, queries.shape[0], self.num_heads,
-                                    queries.device, key_padding_mask, document_ids)
-        context = self._attend_fused(queries, keys, values, opened, every_row=True)
-        return context.masked_fill(dead, 0.0)
-    allowed = self._allowed(T, T, key_padding_mask, queries.shape[0],
-                            document_ids=document_ids, mask_mod=mask_mod)
-    return self._attend_fused(queries, keys, values, allowed)  # SDPA, the dense mask
+    opened, dead = _opened_once(self, T, queries.shape[0], queries.device,  # SDPA, the
+                                key_padding_mask, document_ids, mask_mod)   # dense mask
+    context = self._attend_fused(queries, keys, values, opened, every_row=True)
+    return context.masked_fill(dead, 0.0)  # a query that sees no key gives 0
 
 # %% ../nbs/10_masks.ipynb #e3f2a6f4
 def _check_fits(
@@ -880,13 +885,15 @@ def _end_forward_masks(model, args, kwargs, output): # after every forward: the
 def _forward_masks_part(
     model:torch.nn.Module, # the model called: a TinyGPT, or one built like it
     token_ids:Tensor, caches:list|None, # not read
-    attn_inputs:dict, # the call's inputs: a padding mask, a mask_mod, if any
+    attn_inputs:dict, # the call's inputs: padding, documents, a mask_mod, if any
 ): # NotImplemented: the positions are another part's, or the model's own
-    "One copy of the padding for the blocks; with a mask_mod, a scope to share masks."
+    "One copy of the padding for the blocks; a scope in which they share their masks."
     padding = attn_inputs.get('key_padding_mask')  # its runs, its masks: found once
     if isinstance(padding, Tensor):
         attn_inputs['key_padding_mask'] = _share_across_blocks(padding)
-    if attn_inputs.get('mask_mod') is None or torch.compiler.is_compiling():
+    documents, mask_mod = attn_inputs.get('document_ids'), attn_inputs.get('mask_mod')
+    if torch.compiler.is_compiling() or (padding is None and documents is None
+                                         and mask_mod is None):  # no mask to share
         return NotImplemented
     if '_forward_masks_tokens' not in model.__dict__:  # the model's first such call:
         model.register_forward_hook(_end_forward_masks, with_kwargs=True,

@@ -286,6 +286,31 @@ def test_a_mask_mod_with_padding_or_documents_builds_its_mask_once_a_forward(mon
     assert torch.allclose(fused * real, explicit * real, atol=1e-5)
 
 
+
+@pytest.mark.parametrize('given', ['padding', 'documents', 'window and padding'])
+def test_a_padded_or_packed_batch_gets_its_dense_mask_once_a_forward(monkeypatch, given):
+    """Padding or documents on the dense SDPA path (a CPU, under 1,024 tokens): one mask for four blocks, built
+    from the causal mask (or the window) once, and the logits of the explicit path."""
+    from selfattn_nbdev import multihead
+    from selfattn_nbdev.masks import attention_kernel
+    from selfattn_nbdev.models import Llama
+    torch.manual_seed(0)
+    model = Llama(vocab_size=64, context_length=64, d_model=32, num_heads=4, num_layers=4,
+                  window=6 if 'window' in given else None).eval()
+    ids = torch.randint(0, 64, (2, 24))
+    padding = torch.zeros(2, 24, dtype=torch.bool); padding[1, :5] = True     # row 1: 5 pads on the left
+    inputs = (dict(document_ids=torch.tensor([[0] * 10 + [1] * 14, [0] * 20 + [1] * 4]))
+              if given == 'documents' else dict(key_padding_mask=padding))
+    with torch.no_grad(), attention_kernel('explicit'): explicit = model(ids, **inputs)
+    allowed = _count_calls(monkeypatch, multihead.MultiHeadAttention, '_allowed', slice(1, 3))
+    with torch.no_grad(): fused = model(ids, **inputs)
+    assert allowed == [(24, 24)], allowed
+    real = ~padding[..., None] if 'documents' != given else torch.ones(2, 24, 1, dtype=torch.bool)
+    assert torch.allclose(fused * real, explicit * real, atol=1e-5)
+    allowed.clear()
+    with torch.no_grad(): model.blocks[0].attn(torch.randn(2, 24, 32), **inputs)  # a module alone: its own
+    assert allowed == [(24, 24)]
+
 def test_a_callers_own_padding_is_read_again_at_every_call_in_a_shared_scope():
     "shared_masks(): a padding mask the caller changes in place between two calls is read anew (not kept)."
     from selfattn_nbdev.masks import shared_masks

@@ -781,8 +781,8 @@ def _attend_masked(self:MultiHeadAttention,
     own = self._score_mod() is not None           # the module's own: reads the score
     scored = own or score_mod is not None
     padded = key_padding_mask is not None or document_ids is not None
-    if not (forced or padded or scored or mask_mod is not None  # causal, or none:
-            or self.window is not None):
+    if not (forced or padded or scored or mask_mod is not None  # causal, or none (a
+            or self.window is not None and self.window < T):  # window hides nothing):
         return self._attend_fused(queries, keys, values)  # SDPA's flag, no mask
     by_run = (mask_mod is None and score_mod is None and
               _cuts_into_runs(self.window, key_padding_mask, document_ids, queries))

@@ -436,3 +436,17 @@ def test_moved_families_still_import_from_their_old_home():
     assert set(gemma.__all__) | set(deepseek_v3.__all__) <= set(names)
     assert pretrained.FAMILIES['gemma3_text'][0] is gemma.Gemma
     assert pretrained.FAMILIES['deepseek_v3'][0] is deepseek_v3.DeepSeekV3
+
+
+def test_a_window_that_holds_every_key_builds_no_mask(monkeypatch):
+    "window >= T hides nothing: SDPA's causal flag, no dense mask (a Mistral prompt shorter than its window)."
+    from selfattn_nbdev import multihead
+    from selfattn_nbdev.masks import attention_kernel
+    from selfattn_nbdev.models import Llama
+    torch.manual_seed(0)
+    model, ids = Llama(64, 64, d_model=32, num_heads=4, num_layers=2, window=16).eval(), torch.randint(0, 64, (2, 16))
+    with torch.no_grad(), attention_kernel('explicit'): explicit = model(ids)
+    built = _count_calls(monkeypatch, multihead, 'causal_allowed', slice(0, 1))
+    with torch.no_grad(): fused, longer = model(ids), model(torch.randint(0, 64, (2, 17)))
+    assert built == [(17,), (17,)], built  # 16 tokens: none; 17: the window hides one key, a mask per block
+    assert torch.allclose(fused, explicit, atol=1e-5)

@@ -535,7 +535,7 @@ def _opened_once(m:MultiHeadAttention, # the module: its causal flag, window, ru
                  key_padding_mask:Tensor|None=None, # bool (b, T), True = padding
                  document_ids:Tensor|None=None, # int (b, T): packed documents
                  mask_mod:Callable|None=None, # yours, in place of causal and window
-                ) -> tuple: # SDPA's mask (b | 1, h | 1, T, T), dead: (..., T, 1)
+                ) -> tuple: # SDPA's mask (b | 1, h | 1, T, T), dead (..., T, 1) or None
     "The module's mask (`_allowed`), empty rows opened: made once a model's forward."
     def make():
         if mask_mod is None:  # causal or a window; padding; documents
@@ -543,6 +543,7 @@ def _opened_once(m:MultiHeadAttention, # the module: its causal flag, window, ru
                                  document_ids=document_ids)
             if allowed is None:  # none of them (attention_kernel('dense')): every key
                 allowed = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
+            if key_padding_mask is None: return allowed, None  # each query sees itself
         else:  # yours: as `_allowed` with your rule, the causal mask not built
             allowed = _dense_once(mask_mod, num_tokens, num_tokens, batch, m.num_heads,
                                   device)
@@ -816,7 +817,7 @@ def _attend_masked(self:MultiHeadAttention,
     opened, dead = _opened_once(self, T, queries.shape[0], queries.device,  # SDPA, the
                                 key_padding_mask, document_ids, mask_mod)   # dense mask
     context = self._attend_fused(queries, keys, values, opened, every_row=True)
-    return context.masked_fill(dead, 0.0)  # a query that sees no key gives 0
+    return context if dead is None else context.masked_fill(dead, 0.0)  # no key: 0
 
 # %% ../nbs/10_masks.ipynb #e3f2a6f4
 def _check_fits(
@@ -884,7 +885,7 @@ def _end_forward_masks(model, args, kwargs, output): # after every forward: the
 
 def _forward_masks_part(
     model:torch.nn.Module, # the model called: a TinyGPT, or one built like it
-    token_ids:Tensor, caches:list|None, # not read
+    token_ids:Tensor, caches:list|None, # without caches: a whole sequence
     attn_inputs:dict, # the call's inputs: padding, documents, a mask_mod, if any
 ): # NotImplemented: the positions are another part's, or the model's own
     "One copy of the padding for the blocks; a scope in which they share their masks."
@@ -892,9 +893,9 @@ def _forward_masks_part(
     if isinstance(padding, Tensor):
         attn_inputs['key_padding_mask'] = _share_across_blocks(padding)
     documents, mask_mod = attn_inputs.get('document_ids'), attn_inputs.get('mask_mod')
-    if torch.compiler.is_compiling() or (padding is None and documents is None
-                                         and mask_mod is None):  # no mask to share
-        return NotImplemented
+    if torch.compiler.is_compiling() or (caches is not None and padding is None and
+                                         documents is None and mask_mod is None):
+        return NotImplemented  # a decode step: each cache holds its mask
     if '_forward_masks_tokens' not in model.__dict__:  # the model's first such call:
         model.register_forward_hook(_end_forward_masks, with_kwargs=True,
                                     always_call=True)  # it runs from the next call

@@ -448,5 +448,23 @@ def test_a_window_that_holds_every_key_builds_no_mask(monkeypatch):
     with torch.no_grad(), attention_kernel('explicit'): explicit = model(ids)
     built = _count_calls(monkeypatch, multihead, 'causal_allowed', slice(0, 1))
     with torch.no_grad(): fused, longer = model(ids), model(torch.randint(0, 64, (2, 17)))
-    assert built == [(17,), (17,)], built  # 16 tokens: none; 17: the window hides one key, a mask per block
+    assert built == [(17,)], built  # 16 tokens: none; 17: the window hides one key, one mask for both blocks
+    assert torch.allclose(fused, explicit, atol=1e-5)
+
+
+
+def test_a_windowed_model_builds_its_window_mask_once_a_forward_and_no_empty_row_check(monkeypatch):
+    """A whole sequence longer than the window: one dense mask for every windowed block of a forward; causal,
+    a window and documents leave no query without a key, so no row is searched for one (`any`)."""
+    import torch.nn.functional as F
+    from selfattn_nbdev import multihead
+    from selfattn_nbdev.masks import attention_kernel
+    from selfattn_nbdev.models import Llama
+    torch.manual_seed(0)
+    model, ids = Llama(64, 64, d_model=32, num_heads=4, num_layers=4, window=5).eval(), torch.randint(0, 64, (2, 20))
+    with torch.no_grad(), attention_kernel('explicit'): explicit = model(ids)
+    built = _count_calls(monkeypatch, multihead, 'causal_allowed', slice(0, 1))
+    searched = _count_calls(monkeypatch, torch.Tensor, 'any', lambda a: tuple(a[0].shape))
+    with torch.no_grad(): fused = model(ids)
+    assert built == [(20,)] and searched == [], (built, searched)
     assert torch.allclose(fused, explicit, atol=1e-5)

@@ -468,3 +468,17 @@ def test_a_windowed_model_builds_its_window_mask_once_a_forward_and_no_empty_row
     with torch.no_grad(): fused = model(ids)
     assert built == [(20,)] and searched == [], (built, searched)
     assert torch.allclose(fused, explicit, atol=1e-5)
+
+
+def test_shared_masks_shares_a_windows_mask_across_modules_of_the_same_window(monkeypatch):
+    "Inside shared_masks(): modules of one causal flag and window share one dense mask; another window builds its own."
+    from selfattn_nbdev import multihead
+    from selfattn_nbdev.masks import shared_masks
+    torch.manual_seed(0)
+    stack = [MultiHeadAttention(16, 16, 32, num_heads=4, window=w).eval() for w in (3, 3, 3, 5)]
+    x = torch.randn(2, 12, 16)
+    with torch.no_grad(): alone = [layer(x) for layer in stack]
+    built = _count_calls(monkeypatch, multihead, 'causal_allowed', slice(0, 1))
+    with torch.no_grad(), shared_masks(): shared = [layer(x) for layer in stack]
+    assert built == [(12,), (12,)], built  # window 3 once, window 5 once
+    assert all(torch.equal(a, b) for a, b in zip(alone, shared))

@@ -134,15 +134,24 @@ def _explicit(
 
 def _sdpa(queries:Tensor, keys:Tensor, values:Tensor, # as for _explicit
           mask:Tensor, # bool (b | 1, 1, T, S), True = attend; or float, added
-          dropout:float, gqa:bool) -> Tensor: # context (b, heads, T, hd_v)
+          dropout:float, gqa:bool,
+          found:HFMask|None=None, # hf_mask's, if the mask came with it: shared
+         ) -> Tensor: # context (b, heads, T, hd_v)
     "SDPA with a mask, as transformers' sdpa calls it; a query that sees no key: 0."
     if mask.dtype != torch.bool:
         return F.scaled_dot_product_attention(queries, keys, values, mask,
                                               dropout_p=dropout, enable_gqa=gqa)
-    dead = ~mask.any(-1, keepdim=True)                  # a query that sees no key
-    context = F.scaled_dot_product_attention(queries, keys, values, mask | dead,
+    if found is not None and found.known and found.padding is None:  # causal or a
+        return F.scaled_dot_product_attention(  # window: every query sees its own key
+            queries, keys, values, mask, dropout_p=dropout, enable_gqa=gqa)
+    opened = None if found is None else found.found.get("opened")  # the first layer's
+    if opened is None:
+        dead = ~mask.any(-1, keepdim=True)              # a query that sees no key
+        opened = mask | dead, dead
+        if found is not None: found.found["opened"] = opened  # for the other layers
+    context = F.scaled_dot_product_attention(queries, keys, values, opened[0],
                                              dropout_p=dropout, enable_gqa=gqa)
-    return context.masked_fill(dead, 0.0)
+    return context.masked_fill(opened[1], 0.0)
 
 def _gpu_takes_the_tensor(queries:Tensor, found:HFMask, scored:bool) -> bool:
     "On a GPU a padded causal batch: SDPA with sdpa's own tensor beat the runs there."
@@ -191,7 +200,7 @@ def attend(
         return F.scaled_dot_product_attention(queries, keys, values, dropout_p=dropout,
                                               is_causal=True, enable_gqa=gqa), None
     if _gpu_takes_the_tensor(queries, found, scored):  # transformers made it already
-        return _sdpa(queries, keys, values, mask, dropout, gqa), None
+        return _sdpa(queries, keys, values, mask, dropout, gqa, found), None
     in_runs = (found.known and found.padding is not None and T == S and not
                (queries.is_cuda and (scored or found.window)))  # as the masks page
     pick = lambda runs_only: pick_kernel(
@@ -216,7 +225,7 @@ def attend(
                            choice == "flex", padded,
                            None if softcap is None else soft_cap_mod(softcap)), None
     if scored: return explicit(queries, keys, values, mask)[0], None
-    return _sdpa(queries, keys, values, mask, dropout, gqa), None
+    return _sdpa(queries, keys, values, mask, dropout, gqa, found), None
 
 
 # %% ../nbs/17_transformers.ipynb #d835daf7

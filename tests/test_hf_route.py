@@ -221,3 +221,20 @@ def test_a_gpu_hands_a_padded_causal_batch_to_sdpa_with_the_tensor(monkeypatch):
     theirs, ours, everything = eager_and_ours('llama', 1100, 300)
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5 * theirs.abs().max().item())
     assert len(sdpa) == 2 and not varlen and torch.isfinite(everything).all()
+
+
+@pytest.mark.parametrize('pads', [0, 7])
+def test_a_windowed_mask_is_opened_once_a_forward_or_not_at_all(monkeypatch, pads):
+    """The dense path of a window (Mistral, 24 tokens, window 8): without padding every query sees its own key, so
+    no row is searched; with padding the first layer searches the rows once, the others read what it found."""
+    model = tiny('mistral', 'selfattn_nbdev')
+    ids, attention_mask = padded_batch(24, pads)
+    searched, real_any = [], torch.Tensor.any
+    with torch.no_grad():
+        model.set_attn_implementation('eager'); eager = model(ids, attention_mask=attention_mask).logits
+        model.set_attn_implementation('selfattn_nbdev')
+        monkeypatch.setattr(torch.Tensor, 'any', lambda *a, **k: searched.append(a[0].shape) or real_any(*a, **k))
+        ours = model(ids, attention_mask=attention_mask).logits
+    assert model.config.num_hidden_layers == 2 and len(searched) == (1 if pads else 0), searched
+    real = attention_mask.bool()
+    torch.testing.assert_close(ours[real], eager[real], rtol=0, atol=1e-5 * eager.abs().max().item())

@@ -938,7 +938,7 @@ MultiHeadAttention._model_parts['documents'] = _documents_call_part  # TinyGPT's
 # %% ../nbs/10_masks.ipynb #1dfd43cb
 @contextlib.contextmanager
 def shared_masks():
-    "A scope in which attention calls with the same mask and sizes share its dense form."
+    "A scope in which attention calls of the same mask and sizes share its dense form."
     token = _open_forward_masks()
     try: yield
     finally: _FORWARD_MASKS.reset(token)  # the scope around it, if any, again

@@ -735,8 +735,10 @@ def _attend_flex(self:MultiHeadAttention, queries, keys, values, key_padding_mas
             ('batch', self.causal, self.window))
     reads = () if plain else (key_padding_mask, document_ids)
     forward = _FORWARD_MASKS.get()  # a model's forward: its blocks share your mask
-    if mask_mod is not None and plain and forward and not torch.compiler.is_compiling():
-        form, reads = ('yours', mask_mod, self.num_heads), (forward['token'],)
+    if (mask_mod is not None and plain and forward is not None
+            and not torch.compiler.is_compiling()):  # by a token made once a forward
+        token = _kept(('token',), _share_across_blocks, torch.zeros(()))
+        form, reads = ('yours', mask_mod, self.num_heads), (token,)
     predicate = self._mask_mod(key_padding_mask, document_ids, mask_mod)
     return flex_attend(queries, keys, values, predicate or _everywhere, form,
                        compiled=compiled, score_mod=self._score_mod(score_mod),
@@ -874,9 +876,9 @@ MultiHeadAttention._call_parts['masks'] = (('document_ids', 'mask_mod', 'score_m
 MultiHeadAttention._kernel_choices['masks'] = '_attend_masked'  # a whole sequence
 
 # %% ../nbs/10_masks.ipynb #4310c513
-def _open_forward_masks(): # the scope's masks, and a token for FlexAttention's reuse
-    "A new scope: `_dense_once` keeps masks in it, `_attend_flex` shares by its token."
-    return _FORWARD_MASKS.set({'token': _share_across_blocks(torch.zeros(()))})
+def _open_forward_masks(): # the scope: the masks kept, and FlexAttention's token
+    "A new scope: `_kept` keeps its blocks' masks in it (and `_attend_flex` a token)."
+    return _FORWARD_MASKS.set({})
 
 def _end_forward_masks(model, args, kwargs, output): # after every forward: the
     "The scope this forward opened, closed: the one around it (or none) again."

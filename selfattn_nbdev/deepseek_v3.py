@@ -157,7 +157,8 @@ class LatentAttention(nn.Module):
         S = latent.shape[2]
         if mask_mod is not None:  # yours, in place of causal: (b, h | 1, T, S)
             allowed = dense_mask(mask_mod, T, S, b, self.num_heads, device=x.device)
-        elif allowed is None and T > 1: allowed = causal_allowed(T, x.device, S)
+        elif allowed is None and T > 1 and cache is not None:  # the last T of S keys
+            allowed = causal_allowed(T, x.device, S)  # (a whole sequence: SDPA's flag)
         dropout = self.dropout if self.training else 0.0
         scale = self.scale if scale is None else scale
         if cache is not None and self._absorbs(T, S):  # decoding: W_UK, W_UV moved
@@ -169,7 +170,8 @@ class LatentAttention(nn.Module):
             k_nope, values = kv.split([self.nope_dim, self.v_dim], dim=-1)
             keys = torch.cat([k_nope, k_rope.expand(-1, self.num_heads, -1, -1)], -1)
             if score_mod is None: context = F.scaled_dot_product_attention(
-                queries, keys, values, allowed, scale=scale, dropout_p=dropout)
+                queries, keys, values, allowed, scale=scale, dropout_p=dropout,
+                is_causal=allowed is None and T > 1)
             else: context = self._scored(queries, keys, values, mask_mod, score_mod,
                                          scale)                # (b, h, T, v_dim)
         return self.out_proj(context.transpose(1, 2).reshape(b, T, -1))

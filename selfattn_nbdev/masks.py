@@ -555,12 +555,13 @@ def _opened_once(m:MultiHeadAttention, # the module: its causal flag, window, ru
         dead = ~allowed.any(-1, keepdim=True)                   # (b, h, T, 1): no key
         return allowed | dead, dead
     if torch.compiler.is_compiling(): return make()  # a graph keeps nothing
-    reads = (key_padding_mask, document_ids)
-    versions = (reads if key_padding_mask is None and document_ids is None else
-                _versions(reads))  # None: not the copies a model's blocks share
-    if versions is None: return make()  # (the caller's own may change between calls)
-    own = (m.causal, m.window) if mask_mod is None else (mask_mod, m.num_heads)
-    return _kept(('opened', own, num_tokens, batch, str(device), reads, versions), make)
+    for t in (key_padding_mask, document_ids):  # kept: only a model's private copies
+        if t is not None and not getattr(t, '_shared_across_blocks', False):
+            return make()  # the caller's own tensor may change between two calls
+    own = ((type(m)._allowed, m.causal, m.window) if mask_mod is None else
+           (mask_mod, m.num_heads))  # what the mask depends on, besides the inputs
+    return _kept(('opened', own, num_tokens, batch, str(device), key_padding_mask,
+                  document_ids), make)
 
 # %% ../nbs/10_masks.ipynb #53653628
 def _check_document_ids(

@@ -482,3 +482,16 @@ def test_shared_masks_shares_a_windows_mask_across_modules_of_the_same_window(mo
     with torch.no_grad(), shared_masks(): shared = [layer(x) for layer in stack]
     assert built == [(12,), (12,)], built  # window 3 once, window 5 once
     assert all(torch.equal(a, b) for a, b in zip(alone, shared))
+
+
+
+def test_a_padded_forward_under_inference_mode_shares_its_mask_too(monkeypatch):
+    "torch.inference_mode: the model's private copy of the padding has no version counter, yet one mask for 4 blocks."
+    from selfattn_nbdev import multihead
+    model, ids = _llama(), torch.randint(0, 64, (2, 24))
+    padding = torch.zeros(2, 24, dtype=torch.bool); padding[1, :5] = True
+    with torch.inference_mode():
+        first = model(ids, key_padding_mask=padding)
+        allowed = _count_calls(monkeypatch, multihead.MultiHeadAttention, '_allowed', slice(1, 3))
+        second = model(ids, key_padding_mask=padding)
+    assert allowed == [(24, 24)] and torch.equal(first, second), allowed

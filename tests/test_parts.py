@@ -495,3 +495,17 @@ def test_a_padded_forward_under_inference_mode_shares_its_mask_too(monkeypatch):
         allowed = _count_calls(monkeypatch, multihead.MultiHeadAttention, '_allowed', slice(1, 3))
         second = model(ids, key_padding_mask=padding)
     assert allowed == [(24, 24)] and torch.equal(first, second), allowed
+
+
+def test_a_plain_forward_opens_an_empty_scope_and_a_decode_step_none():
+    "A causal forward without inputs: a scope, but nothing made in it (SDPA's flag); with caches: no scope at all."
+    from selfattn_nbdev import masks
+    model, ids = _llama(2), torch.randint(0, 64, (1, 12))
+    seen = []
+    model.blocks[-1].register_forward_pre_hook(lambda m, args: seen.append(masks._FORWARD_MASKS.get()))
+    with torch.no_grad():
+        model(ids); model(ids)                       # the first call adds the hook that closes the scope
+        caches = model.new_caches()
+        model(ids, caches=caches); model(ids[:, :1], caches=caches)
+    assert seen[0] is None and seen[1] == {} and seen[2:] == [None, None], seen
+    assert masks._FORWARD_MASKS.get() is None

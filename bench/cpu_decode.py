@@ -10,14 +10,18 @@ llama.cpp's is. Recorded:
 
 - `bandwidth`: the read rate of one and two threads over 1 GiB (torch's sum, numpy's sum), and the rate at which
   torch's matrix-vector product reads each shape's weights (`gemv`), row-major as the modules hold them and
-  column-major; the limit of a shape is the best read rate over the bytes a token reads (`bytes_a_token`: every
+  column-major, and oneDNN's (`gemv_onednn`, row-major); the limit of a shape is the best read rate over the bytes a token reads (`bytes_a_token`: every
   weight but the input embeddings, of which a token reads one row; a tied table is read whole as the head);
 - `compile`: per shape and thread count, the first `generate(compile=True)` (its decode step compiled) against the
   next call, which reuses the graphs: the compile's seconds, paid once a process for each thread count (Dynamo
   guards on torch's thread count: the first call at another count compiles again), with an empty kernel cache
   (TORCHINDUCTOR_CACHE_DIR, a new folder unless set), as on a first run;
+- `gemv_kernel`: per shape and thread count, the kernel the package's `gemv_kernel` chose for one token's products
+  (the BLAS behind F.linear, or oneDNN), and the seconds its measurement took;
 - `peers`: 1 and 2 threads, a 32-token prompt and 64 new tokens at batch 1, rounds interleaving the package's
-  `generate` (growing caches), `generate(static=True)` and `generate(compile=True)`, transformers' `generate`
+  `generate` (growing caches; its products by the kernel `gemv_kernel` chose), the same with every product by the
+  BLAS (`package generate (BLAS)`: what `generate` did before it measured), `generate(static=True)` and
+  `generate(compile=True)`, transformers' `generate`
   (dynamic and static cache) and llama.cpp (skipped without `--llamacpp-python`, a Python with llama-cpp-python
   and gguf: see bench/llamacpp_child.py); medians of the rounds;
 - `costs`: at 1 thread, contexts of 32, 512 and the longest the shape takes less the new tokens (1,984 for the
@@ -40,7 +44,8 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from selfattn_nbdev.decoding import generate  # noqa: E402
+from selfattn_nbdev import decoding  # noqa: E402
+from selfattn_nbdev.decoding import generate, onednn_linear  # noqa: E402
 from selfattn_nbdev.pretrained import from_hf  # noqa: E402
 
 SHAPES = {'gpt2': dict(model_type='gpt2', vocab_size=50257, n_embd=768, n_layer=12, n_head=12, n_positions=1024),
@@ -96,23 +101,36 @@ def read_rates(threads: int) -> dict:
     return best
 
 
-def gemv_rate(model, column_major: bool) -> float:
-    "Bytes per second of torch.mv over every matrix a token reads, in turn (all larger than the caches together)."
+def gemv_rate(model, column_major: bool, onednn: bool = False) -> float:
+    "Bytes per second of torch.mv (or oneDNN's product) over every matrix a token reads, in turn (all larger than the caches together)."
     mats = [p.detach() for p in model.parameters() if p.dim() == 2 and p is not getattr(model.pos_emb, 'weight', 0)]
     if column_major: mats = [m.t().contiguous().t() for m in mats]
     xs = {m.shape[1]: torch.randn(m.shape[1]) for m in mats}
+    if onednn: xs = {n: x[None] for n, x in xs.items()}
+    product = onednn_linear if onednn else torch.mv
     times = []
     for _ in range(5):
         start = time.perf_counter()
-        for m in mats: torch.mv(m, xs[m.shape[1]])
+        for m in mats: product(xs[m.shape[1]], m) if onednn else product(m, xs[m.shape[1]])
         times.append(time.perf_counter() - start)
     return sum(m.nbytes for m in mats) / min(times)
 
 
-def ours_rate(model, ids, new, static=None, compile=False) -> tuple:  # static None: generate's choice
-    steps = []
-    out = generate(model, ids, new, step_times=steps, static=static, stop_ids=[], compile=compile)
+def ours_rate(model, ids, new, static=None, compile=False, kernel=None) -> tuple:  # static None: generate's
+    "Tokens a second of the decode steps, and the new tokens; `kernel` 'blas': every product by F.linear's BLAS."
+    steps, measured = [], decoding.gemv_kernel
+    if kernel is not None: decoding.gemv_kernel = lambda model: kernel
+    try: out = generate(model, ids, new, step_times=steps, static=static, stop_ids=[], compile=compile)
+    finally: decoding.gemv_kernel = measured
     return (new - 1) * ids.shape[0] / sum(steps[1:]), out[:, ids.shape[1]:]
+
+
+def chosen_kernel(model) -> dict:
+    "What `gemv_kernel` chooses for the model at this thread count, measured afresh, and the seconds it took."
+    decoding._GEMV_KERNELS.clear()
+    start = time.perf_counter()
+    kernel = decoding.gemv_kernel(model)
+    return dict(kernel=kernel, seconds=time.perf_counter() - start)
 
 
 def compile_seconds(model, ids, new) -> dict:
@@ -140,10 +158,11 @@ def llamacpp_rate(python, path, threads, prompt=PROMPT) -> float:
     return json.loads(got.stdout.strip().splitlines()[-1])['tok_s']
 
 
-def profile_step(model) -> dict:
+def profile_step(model, kernel=None) -> dict:
+    "One decode step as `generate` runs it (stacked products, `faster_products`), by kind; `kernel` 'blas': BLAS's."
     from torch.profiler import ProfilerActivity, profile
     ids, caches, n = torch.randint(3, model.vocab_size, (1, PROMPT)), model.new_caches(), 20
-    with torch.no_grad():
+    with torch.no_grad(), decoding.stacked(model), decoding.faster_products(model, kernel):
         model(ids, caches); nxt = torch.tensor([[5]])
         for _ in range(5): model(nxt, caches)[:, -1].argmax(-1)
         start = time.perf_counter()
@@ -155,13 +174,14 @@ def profile_step(model) -> dict:
             profiled = (time.perf_counter() - start) / n
     kinds, ops, calls = collections.Counter(), 0.0, 0
     for e in prof.key_averages():
-        if not e.key.startswith('aten::'): continue
+        if not e.key.startswith(('aten::', 'mkldnn::')): continue
         ops += e.self_cpu_time_total; calls += e.count
         kind = next((k for k, keys in KINDS if any(s in e.key for s in keys)), 'other operators (views, masks)')
         kinds[kind] += e.self_cpu_time_total
     ms = {k: v / n / 1e3 for k, v in kinds.most_common()}
     ms['Python and dispatch (outside operators)'] = max(profiled * 1e3 - ops / n / 1e3, 0.0)
-    return dict(step_ms=plain * 1e3, profiled_step_ms=profiled * 1e3, operator_calls=calls // n, ms=ms)
+    return dict(step_ms=plain * 1e3, profiled_step_ms=profiled * 1e3, operator_calls=calls // n, ms=ms,
+                kernel=kernel or decoding.gemv_kernel(model))
 
 
 def bare_step(model, column_major: bool):
@@ -256,7 +276,15 @@ def main():
     for name, (hf, ours) in shapes.items():
         read = bytes_a_token(ours)
         result['shapes'][name] = dict(config=SHAPES[name], bytes_a_token=read,
-                                      gemv_row_major=gemv_rate(ours, False), gemv_column_major=gemv_rate(ours, True))
+                                      gemv_row_major=gemv_rate(ours, False), gemv_column_major=gemv_rate(ours, True),
+                                      gemv_onednn=gemv_rate(ours, False, onednn=True))
+        chosen = {}
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            chosen[f'{threads}'] = chosen_kernel(ours)
+        torch.set_num_threads(1)
+        result['shapes'][name]['gemv_kernel'] = chosen
+        print(name, 'gemv_kernel', chosen, flush=True)
     # peers, interleaved: rounds outermost, so every system sees the same moments of the machine
     for name, (hf, ours) in shapes.items():  # compiled before the rounds reuse it: once per thread count, since
         ids = torch.randint(3, SHAPES[name]['vocab_size'], (1, PROMPT))  # Dynamo guards on torch's thread count
@@ -266,8 +294,8 @@ def main():
             with torch.no_grad(): compiles[f'{threads}'] = compile_seconds(ours, ids, NEW)
         result['shapes'][name]['compile'] = compiles
         print(name, 'compile', compiles, flush=True)
-    systems = ['package generate', 'package static', 'package compiled', 'transformers dynamic',
-               'transformers static']
+    systems = ['package generate', 'package generate (BLAS)', 'package static', 'package compiled',
+               'transformers dynamic', 'transformers static']
     if args.llamacpp_python: systems.append('llama.cpp')
     rates, equal = collections.defaultdict(list), collections.defaultdict(list)
     for r in range(args.rounds):
@@ -276,7 +304,9 @@ def main():
             for name, (hf, ours) in shapes.items():
                 ids = torch.randint(3, SHAPES[name]['vocab_size'], (1, PROMPT), generator=torch.Generator().manual_seed(r))
                 with torch.no_grad():
-                    got = {'package generate': ours_rate(ours, ids, NEW), 'package static': ours_rate(ours, ids, NEW, True),
+                    got = {'package generate': ours_rate(ours, ids, NEW),
+                           'package generate (BLAS)': ours_rate(ours, ids, NEW, kernel='blas'),
+                           'package static': ours_rate(ours, ids, NEW, True),
                            'package compiled': ours_rate(ours, ids, NEW, compile=True),
                            'transformers dynamic': hf_rate(hf, ids, NEW), 'transformers static': hf_rate(hf, ids, NEW, True)}
                 first = got['package generate'][1].tolist()
@@ -318,6 +348,7 @@ def main():
             print(name, context, batch, f'{rate:.1f} tok/s', others, flush=True)
         result['shapes'][name]['costs'] = costs
         result['shapes'][name]['profile'] = profile_step(ours)
+        result['shapes'][name]['profile_blas'] = profile_step(ours, 'blas')
         ids = torch.randint(3, SHAPES[name]['vocab_size'], (1, PROMPT))
         reference = ours_rate(ours, ids, NEW)[1][0].tolist()
         head = {}

@@ -14,7 +14,8 @@ from torch import Tensor, nn
 from .core import check_size, check_token_ids
 from .multihead import MultiHeadAttention
 from .generation import _check_sampling
-from .decoding import _check_choice, _default_stops, _sampler
+from .decoding import (_check_choice, _default_stops, _sampler,
+                                     faster_products)
 
 # %% ../nbs/22_serving.ipynb #68503ca0
 class BlockPool:
@@ -197,7 +198,8 @@ class Engine:
 
     def _forward(self, rows:list, new:list) -> Tensor: # each row's last logits (b, V)
         for cache in self.caches: cache.rows = rows
-        logits = self.model(torch.tensor(new, device=self.device), self.caches)
+        with faster_products(self.model):  # a few rows: the faster kernel (Batches)
+            logits = self.model(torch.tensor(new, device=self.device), self.caches)
         for seq, tokens in zip(rows, new): seq.length += len(tokens)
         return logits[:, -1]
 

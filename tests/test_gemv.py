@@ -1,0 +1,201 @@
+"The kernel of one token's products: `gemv_kernel` measures, `faster_products` routes, `generate` holds it."
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import selfattn_nbdev.decoding as decoding
+from selfattn_nbdev import generate
+from selfattn_nbdev.models import GPT2, Llama
+from selfattn_nbdev.decoding import GEMV_ROWS, faster_products, gemv_kernel, onednn_linear, row_dot, stacked
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason='a build without oneDNN')
+
+
+def _llama():
+    torch.manual_seed(0)
+    return Llama(vocab_size=64, context_length=64, d_model=32, num_heads=4, num_layers=2,
+                 num_kv_heads=2).eval()
+
+
+def _gpt2():
+    torch.manual_seed(0)
+    return GPT2(vocab_size=64, context_length=64, d_model=32, num_heads=4, num_layers=2).eval()
+
+
+def _routed(model) -> int:
+    return sum('forward' in m.__dict__ for m in model.modules())
+
+
+def _count(monkeypatch) -> list:
+    "Rows handed to oneDNN, one entry a call."
+    calls, real = [], decoding.onednn_linear
+    def counted(x, weight, bias=None):
+        calls.append(x.numel() // x.shape[-1])
+        return real(x, weight, bias)
+    monkeypatch.setattr(decoding, 'onednn_linear', counted)
+    return calls
+
+
+def test_onednn_linear_is_f_linear():
+    "Within a bound any correct float32 product meets: the same numbers, summed in another order."
+    torch.manual_seed(0)
+    x, w, b = torch.randn(3, 1, 300), torch.randn(70, 300), torch.randn(70)
+    expected = (x.double() @ w.double().T + b.double())
+    bound = 300 * torch.finfo(torch.float32).eps * (x.abs() @ w.abs().T + b.abs()).max()
+    assert (onednn_linear(x, w, b).double() - expected).abs().max() <= bound
+    assert (onednn_linear(x, w) - F.linear(x, w)).abs().max() <= bound
+    w.mul_(-2)   # written in place between two calls (an optimizer step): read anew
+    assert (onednn_linear(x, w) - F.linear(x, w)).abs().max() <= 2 * bound
+
+
+@pytest.mark.parametrize('build', [_llama, _gpt2], ids=['llama', 'gpt2'])
+def test_every_plain_linear_is_routed_in_the_block_and_none_after(build, monkeypatch):
+    model = build()
+    linears = [m for m in model.modules() if type(m) is nn.Linear]
+    one = torch.randint(0, 64, (1, 1))
+    with torch.no_grad():
+        by_blas = model(one)
+        calls = _count(monkeypatch)
+        with faster_products(model, 'onednn'):
+            assert _routed(model) == len(linears)
+            by_onednn = model(one)
+    assert len(calls) == len(linears) and set(calls) == {1}   # every product, one row each
+    assert _routed(model) == 0
+    torch.testing.assert_close(by_onednn, by_blas, rtol=1e-5, atol=1e-5)
+
+
+def test_many_rows_a_gradient_or_another_dtype_stay_f_linear(monkeypatch):
+    model, calls = _llama(), _count(monkeypatch)
+    with faster_products(model, 'onednn'):
+        with torch.no_grad(): model(torch.randint(0, 64, (1, GEMV_ROWS + 1)))  # a prefill
+        assert calls == []
+        model(torch.randint(0, 64, (1, 1))).sum().backward()          # training: autograd's
+        assert calls == [] and model.head.weight.grad is not None
+        with torch.no_grad(): model(torch.randint(0, 64, (GEMV_ROWS, 1)))  # a batch's step
+        assert calls and set(calls) == {GEMV_ROWS}
+    half = _llama().to(torch.bfloat16)
+    with faster_products(half, 'onednn'): assert _routed(half) == 0
+
+
+def test_a_subclass_a_hook_or_a_forward_of_your_own_is_left_alone():
+    model = _llama()
+    own = model.blocks[1].attn.out_proj
+    handle = model.head.register_forward_hook(lambda *a: None)
+    mine = lambda x: F.linear(x, own.weight, own.bias)
+    own.forward = mine
+    linears = [m for m in model.modules() if type(m) is nn.Linear]
+    with faster_products(model, 'onednn'):
+        assert 'forward' not in model.head.__dict__ and own.forward is mine
+        assert _routed(model) == len(linears) - 1  # all but the hooked head (own: its own)
+    assert own.forward is mine and _routed(model) == 1
+    handle.remove()
+
+
+def test_nested_holders_keep_the_routing_until_the_last_leaves():
+    model = _llama()
+    with faster_products(model, 'onednn'):
+        with faster_products(model, 'onednn'): pass
+        assert _routed(model) > 0        # the outer block still holds it
+    assert _routed(model) == 0
+
+
+def test_the_stacked_product_uses_the_kernel_too(monkeypatch):
+    model, calls = _llama(), _count(monkeypatch)
+    with torch.no_grad(), stacked(model), faster_products(model, 'onednn'):
+        model(torch.randint(0, 64, (1, 1)))
+    # per block: q, k, v as one product, out_proj, gate and up as one, down; and the head
+    assert len(calls) == 2 * 4 + 1, calls
+
+
+def test_gemv_kernel_measures_once_and_keeps_a_clear_win_only(monkeypatch):
+    model = _llama()
+    monkeypatch.setattr(decoding, '_GEMV_KERNELS', {})
+    timed = []
+    def fake(kernel, weights, xs):  # oneDNN takes `ratio` of BLAS's time
+        timed.append(kernel)
+        return ratio if kernel is decoding.onednn_linear else 1.0
+    monkeypatch.setattr(decoding, '_timed', fake)
+    ratio = 0.8
+    assert gemv_kernel(model) == 'onednn' and len(timed) == 6   # three passes each
+    assert gemv_kernel(model) == 'onednn' and len(timed) == 6   # kept: not measured again
+    decoding._GEMV_KERNELS.clear(); ratio = 0.95                # within 10 %: BLAS stays
+    assert gemv_kernel(model) == 'blas'
+    threads = torch.get_num_threads()
+    try:                                                        # another thread count:
+        torch.set_num_threads(threads + 1); ratio = 0.5         # measured again
+        assert gemv_kernel(model) == 'onednn'
+    finally: torch.set_num_threads(threads)
+    before, ratio = len(timed), 2.0                             # a model of other widths:
+    wider = Llama(vocab_size=64, context_length=64, d_model=48, num_heads=4, num_layers=1)
+    assert gemv_kernel(wider) == 'blas' and len(timed) == before + 6  # its own measurement
+    assert gemv_kernel(model) == 'blas'                         # (kept from above)
+
+
+@pytest.mark.parametrize('broken', ['raises', 'wrong'])
+def test_a_broken_onednn_leaves_blas(broken, monkeypatch):
+    monkeypatch.setattr(decoding, '_GEMV_KERNELS', {})
+    def bad(x, weight, bias=None):
+        if broken == 'raises': raise RuntimeError('no oneDNN here')
+        return torch.zeros(*x.shape[:-1], weight.shape[0])
+    monkeypatch.setattr(decoding, 'onednn_linear', bad)
+    assert gemv_kernel(_llama()) == 'blas'
+
+
+def test_no_linear_to_route_is_blas_and_a_bad_kernel_is_named():
+    assert gemv_kernel(nn.Sequential(nn.ReLU())) == 'blas'
+    assert gemv_kernel(_llama().to(torch.bfloat16)) == 'blas'
+    with pytest.raises(ValueError, match=r"kernel must be None or one of \('onednn', 'blas', 'inductor'\); got 'mkl'"):
+        with faster_products(_llama(), 'mkl'): pass
+
+
+@pytest.mark.parametrize('chosen', ['onednn', 'blas'])
+def test_generate_takes_the_measured_kernel_for_its_eager_steps(chosen, monkeypatch):
+    "The default: no flag. The tokens are the same either way (greedy, random weights)."
+    model = _gpt2()
+    monkeypatch.setattr(decoding, 'gemv_kernel', lambda m: chosen)
+    calls = _count(monkeypatch)
+    prompt = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(1))
+    out = generate(model, prompt, 6)
+    assert (len(calls) > 0) == (chosen == 'onednn') and _routed(model) == 0
+    assert set(calls) <= {2, 10}    # the steps' 2 rows, and the prefill's 2 x 5 (few too)
+    monkeypatch.setattr(decoding, 'gemv_kernel', lambda m: 'blas')
+    assert torch.equal(out, generate(model, prompt, 6))
+
+
+def test_the_serving_engine_steps_by_the_measured_kernel(monkeypatch):
+    "Its decode rows go to oneDNN when it is the faster; its tokens are generate's."
+    from selfattn_nbdev.serving import serve
+    model = _llama()
+    monkeypatch.setattr(decoding, 'gemv_kernel', lambda m: 'onednn')
+    calls = _count(monkeypatch)
+    prompts = [torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(n)) for n in (3, 7)]
+    served = serve(model, prompts, 5, num_blocks=16)
+    assert calls and _routed(model) == 0
+    for prompt, tokens in zip(prompts, served):
+        assert list(tokens) == generate(model, prompt[None], 5)[0].tolist()
+
+
+def test_row_dot_is_the_product():
+    torch.manual_seed(0)
+    x, w, b = torch.randn(2, 1, 40), torch.randn(24, 40), torch.randn(24)
+    torch.testing.assert_close(row_dot(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(row_dot(x[0, 0], w), F.linear(x[0, 0], w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize('kernel', ['inductor', 'onednn'])
+def test_a_compiled_step_takes_row_dot_for_one_row_only(kernel, monkeypatch):
+    "Traced by Dynamo (is_compiling): 'inductor' makes one row row_dot; more rows, or oneDNN's kernel, F.linear."
+    model, dots = _llama(), []
+    real = decoding.row_dot
+    monkeypatch.setattr(decoding, 'row_dot', lambda *a: dots.append(a[0].shape) or real(*a))
+    calls = _count(monkeypatch)
+    with torch.no_grad(), faster_products(model, kernel):
+        eager = model(torch.randint(0, 64, (1, 1), generator=torch.Generator().manual_seed(0)))
+        monkeypatch.setattr(torch.compiler, 'is_compiling', lambda: True)
+        traced = model(torch.randint(0, 64, (1, 1), generator=torch.Generator().manual_seed(0)))
+        model(torch.randint(0, 64, (2, 1)))                       # two rows: F.linear
+    linears = sum(type(m) is nn.Linear for m in model.modules())
+    assert len(dots) == (linears if kernel == 'inductor' else 0)
+    assert len(calls) == (linears if kernel == 'onednn' else 0)   # the eager call only
+    torch.testing.assert_close(traced, eager, rtol=1e-5, atol=1e-5)

@@ -363,7 +363,8 @@ def gemv_kernel(
     key = (torch.get_num_threads(), tuple(sorted({tuple(w.shape) for w in weights})),
            total >= 64 * 2**20)  # a model of other widths, or one held in cache: again
     if key in _GEMV_KERNELS: return _GEMV_KERNELS[key]
-    xs = {n: torch.randn(1, n) for n in {w.shape[1] for w in weights}}
+    seeded = torch.Generator().manual_seed(0)  # the caller's random stream untouched
+    xs = {n: torch.randn(1, n, generator=seeded) for n in {w.shape[1] for w in weights}}
     try:  # a build without oneDNN, or a kernel that computes another product: BLAS
         with torch.no_grad():
             w, x = weights[0], xs[weights[0].shape[1]]

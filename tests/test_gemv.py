@@ -199,3 +199,12 @@ def test_a_compiled_step_takes_row_dot_for_one_row_only(kernel, monkeypatch):
     assert len(dots) == (linears if kernel == 'inductor' else 0)
     assert len(calls) == (linears if kernel == 'onednn' else 0)   # the eager call only
     torch.testing.assert_close(traced, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_measuring_leaves_the_callers_random_stream_alone(monkeypatch):
+    "gemv_kernel draws its inputs from a generator of its own: a seeded caller draws what it would have."
+    monkeypatch.setattr(decoding, '_GEMV_KERNELS', {})
+    model = _gpt2()
+    torch.manual_seed(3); expected = torch.rand(4)
+    torch.manual_seed(3); gemv_kernel(model); assert decoding._GEMV_KERNELS   # measured
+    assert torch.equal(torch.rand(4), expected)

@@ -208,3 +208,32 @@ def test_measuring_leaves_the_callers_random_stream_alone(monkeypatch):
     torch.manual_seed(3); expected = torch.rand(4)
     torch.manual_seed(3); gemv_kernel(model); assert decoding._GEMV_KERNELS   # measured
     assert torch.equal(torch.rand(4), expected)
+
+
+def _family(kind):
+    "A small random model of transformers' `kind`, saved and read back by from_hf."
+    import tempfile
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from test_configs import FAMILIES
+    from test_hybrid import qwen35_text_config
+    from selfattn_nbdev.pretrained import from_hf
+    torch.manual_seed(0)
+    config = (qwen35_text_config() if kind == 'qwen3_5_text' else
+              AutoConfig.for_model('smollm3', **FAMILIES['llama'], pad_token_id=0, eos_token_id=None)
+              if kind == 'smollm3' else AutoConfig.for_model(kind, **FAMILIES[kind]))
+    folder = tempfile.mkdtemp()
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
+    return from_hf(folder).eval()
+
+
+@pytest.mark.parametrize('kind', ['gpt2', 'llama', 'mistral', 'qwen2', 'qwen3', 'gemma2', 'gemma3_text',
+                                  'deepseek_v3', 'qwen3_5_text', 'smollm3'])
+def test_every_native_family_decodes_by_onednn_to_the_same_tokens(kind, monkeypatch):
+    "Every family from_hf builds natively routes its linears, and writes BLAS's greedy tokens."
+    model, prompt = _family(kind), torch.randint(0, 96, (1, 6), generator=torch.Generator().manual_seed(2))
+    calls = _count(monkeypatch)
+    monkeypatch.setattr(decoding, 'gemv_kernel', lambda m: 'onednn')
+    by_onednn = generate(model, prompt, 8)
+    assert len(calls) >= 8 and _routed(model) == 0
+    monkeypatch.setattr(decoding, 'gemv_kernel', lambda m: 'blas')
+    assert torch.equal(by_onednn, generate(model, prompt, 8))

@@ -17,7 +17,9 @@ llama.cpp's is. Recorded:
   guards on torch's thread count: the first call at another count compiles again), with an empty kernel cache
   (TORCHINDUCTOR_CACHE_DIR, a new folder unless set), as on a first run;
 - `gemv_kernel`: per shape and thread count, the kernel the package's `gemv_kernel` chose for one token's products
-  (the BLAS behind F.linear, or oneDNN), and the seconds its measurement took;
+  (the BLAS behind F.linear, or oneDNN) and `gemm_kernel` for a prompt's, and the seconds each measurement took;
+- `prefill_ms`: per shape and thread count, one forward over a 512-token prompt with the measured kernels and with
+  every product by the BLAS, medians of the rounds, in turns;
 - `peers`: 1 and 2 threads, a 32-token prompt and 64 new tokens at batch 1, rounds interleaving the package's
   `generate` (growing caches; its products by the kernel `gemv_kernel` chose), the same with every product by the
   BLAS (`package generate (BLAS)`: what `generate` did before it measured), `generate(static=True)` and
@@ -56,6 +58,7 @@ LARGE = dict(model_type='llama', vocab_size=128256, hidden_size=2048, num_hidden
              num_key_value_heads=8, intermediate_size=8192, max_position_embeddings=2048, tie_word_embeddings=True,
              head_dim=64)
 PROMPT, NEW = 32, 64
+PREFILL = 512  # the prompt whose one forward `prefill_ms` times
 KINDS = [('weights (linear)', ('addmm', 'aten::mm', 'linear', 'matmul', 'aten::mv', 'addmv')),
          ('attention', ('scaled_dot_product', 'softmax', 'bmm')),
          ('norms', ('layer_norm', 'rms_norm', 'rsqrt', 'pow', 'mean')),
@@ -118,19 +121,26 @@ def gemv_rate(model, column_major: bool, onednn: bool = False) -> float:
 
 def ours_rate(model, ids, new, static=None, compile=False, kernel=None) -> tuple:  # static None: generate's
     "Tokens a second of the decode steps, and the new tokens; `kernel` 'blas': every product by F.linear's BLAS."
-    steps, measured = [], decoding.gemv_kernel
-    if kernel is not None: decoding.gemv_kernel = lambda model: kernel
+    steps, measured = [], (decoding.gemv_kernel, decoding.gemm_kernel)
+    if kernel is not None: decoding.gemv_kernel = decoding.gemm_kernel = lambda model: kernel
     try: out = generate(model, ids, new, step_times=steps, static=static, stop_ids=[], compile=compile)
-    finally: decoding.gemv_kernel = measured
+    finally: decoding.gemv_kernel, decoding.gemm_kernel = measured
     return (new - 1) * ids.shape[0] / sum(steps[1:]), out[:, ids.shape[1]:]
 
 
 def chosen_kernel(model) -> dict:
-    "What `gemv_kernel` chooses for the model at this thread count, measured afresh, and the seconds it took."
-    decoding._GEMV_KERNELS.clear()
-    start = time.perf_counter()
-    kernel = decoding.gemv_kernel(model)
-    return dict(kernel=kernel, seconds=time.perf_counter() - start)
+    "What `gemv_kernel` (one row) and `gemm_kernel` (a prompt's rows) choose at this thread count, measured afresh."
+    decoding._MEASURED.clear()
+    start = time.perf_counter(); kernel = decoding.gemv_kernel(model); gemv_s = time.perf_counter() - start
+    start = time.perf_counter(); prompt = decoding.gemm_kernel(model); gemm_s = time.perf_counter() - start
+    return dict(kernel=kernel, seconds=gemv_s, prompt_kernel=prompt, prompt_seconds=gemm_s)
+
+
+def prefill_ms(model, ids, kernel=None) -> float:
+    "Milliseconds of one forward over a prompt (no cache), its products by `kernel` (None: the measured ones)."
+    with torch.no_grad(), decoding.faster_products(model, kernel):
+        start = time.perf_counter(); model(ids)
+        return (time.perf_counter() - start) * 1e3
 
 
 def compile_seconds(model, ids, new) -> dict:
@@ -285,6 +295,17 @@ def main():
         torch.set_num_threads(1)
         result['shapes'][name]['gemv_kernel'] = chosen
         print(name, 'gemv_kernel', chosen, flush=True)
+        prompt, prefill = torch.randint(3, SHAPES[name]['vocab_size'], (1, PREFILL)), {}
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            times = collections.defaultdict(list)
+            prefill_ms(ours, prompt)  # a warm-up
+            for _ in range(args.rounds):
+                for kernel in (None, 'blas'): times[kernel or 'measured'].append(prefill_ms(ours, prompt, kernel))
+            prefill[f'{threads}'] = {k: statistics.median(v) for k, v in times.items()}
+        torch.set_num_threads(1)
+        result['shapes'][name]['prefill_ms'] = prefill
+        print(name, f'prefill of {PREFILL} tokens, ms', prefill, flush=True)
     # peers, interleaved: rounds outermost, so every system sees the same moments of the machine
     for name, (hf, ours) in shapes.items():  # compiled before the rounds reuse it: once per thread count, since
         ids = torch.randint(3, SHAPES[name]['vocab_size'], (1, PROMPT))  # Dynamo guards on torch's thread count

@@ -7,7 +7,8 @@ from torch import nn
 import selfattn_nbdev.decoding as decoding
 from selfattn_nbdev import generate
 from selfattn_nbdev.models import GPT2, Llama
-from selfattn_nbdev.decoding import GEMV_ROWS, faster_products, gemv_kernel, onednn_linear, row_dot, stacked
+from selfattn_nbdev.decoding import (GEMV_ROWS, faster_products, gemm_kernel, gemv_kernel, onednn_linear, row_dot,
+                                     stacked)
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason='a build without oneDNN')
 
@@ -65,15 +66,25 @@ def test_every_plain_linear_is_routed_in_the_block_and_none_after(build, monkeyp
     torch.testing.assert_close(by_onednn, by_blas, rtol=1e-5, atol=1e-5)
 
 
-def test_many_rows_a_gradient_or_another_dtype_stay_f_linear(monkeypatch):
+def _choose(monkeypatch, few, many):
+    "gemv_kernel and gemm_kernel answer `few` and `many`, unmeasured."
+    monkeypatch.setattr(decoding, 'gemv_kernel', lambda m: few)
+    monkeypatch.setattr(decoding, 'gemm_kernel', lambda m: many)
+
+
+@pytest.mark.parametrize('few, many', [('onednn', 'blas'), ('blas', 'onednn')])
+def test_few_rows_and_many_take_their_own_kernel_and_a_gradient_stays_f_linear(few, many, monkeypatch):
     model, calls = _llama(), _count(monkeypatch)
-    with faster_products(model, 'onednn'):
-        with torch.no_grad(): model(torch.randint(0, 64, (1, GEMV_ROWS + 1)))  # a prefill
-        assert calls == []
-        model(torch.randint(0, 64, (1, 1))).sum().backward()          # training: autograd's
+    _choose(monkeypatch, few, many)
+    with faster_products(model):
+        with torch.no_grad(): model(torch.randint(0, 64, (1, GEMV_ROWS + 1)))   # a prompt
+        assert bool(calls) == (many == 'onednn') and set(calls) <= {GEMV_ROWS + 1}
+        calls.clear()
+        with torch.no_grad(): model(torch.randint(0, 64, (GEMV_ROWS, 1)))        # a batch's step
+        assert bool(calls) == (few == 'onednn') and set(calls) <= {GEMV_ROWS}
+        calls.clear()
+        model(torch.randint(0, 64, (1, 1))).sum().backward()                    # training: autograd's
         assert calls == [] and model.head.weight.grad is not None
-        with torch.no_grad(): model(torch.randint(0, 64, (GEMV_ROWS, 1)))  # a batch's step
-        assert calls and set(calls) == {GEMV_ROWS}
     half = _llama().to(torch.bfloat16)
     with faster_products(half, 'onednn'): assert _routed(half) == 0
 
@@ -110,7 +121,7 @@ def test_the_stacked_product_uses_the_kernel_too(monkeypatch):
 
 def test_gemv_kernel_measures_once_and_keeps_a_clear_win_only(monkeypatch):
     model = _llama()
-    monkeypatch.setattr(decoding, '_GEMV_KERNELS', {})
+    monkeypatch.setattr(decoding, '_MEASURED', {})
     timed = []
     def fake(kernel, weights, xs):  # oneDNN takes `ratio` of BLAS's time
         timed.append(kernel)
@@ -119,7 +130,9 @@ def test_gemv_kernel_measures_once_and_keeps_a_clear_win_only(monkeypatch):
     ratio = 0.8
     assert gemv_kernel(model) == 'onednn' and len(timed) == 6   # three passes each
     assert gemv_kernel(model) == 'onednn' and len(timed) == 6   # kept: not measured again
-    decoding._GEMV_KERNELS.clear(); ratio = 0.95                # within 10 %: BLAS stays
+    assert gemm_kernel(model) == 'onednn' and len(timed) == 12  # a prompt's rows: its own
+    timed.clear()
+    decoding._MEASURED.clear(); ratio = 0.95                # within 10 %: BLAS stays
     assert gemv_kernel(model) == 'blas'
     threads = torch.get_num_threads()
     try:                                                        # another thread count:
@@ -134,7 +147,7 @@ def test_gemv_kernel_measures_once_and_keeps_a_clear_win_only(monkeypatch):
 
 @pytest.mark.parametrize('broken', ['raises', 'wrong'])
 def test_a_broken_onednn_leaves_blas(broken, monkeypatch):
-    monkeypatch.setattr(decoding, '_GEMV_KERNELS', {})
+    monkeypatch.setattr(decoding, '_MEASURED', {})
     def bad(x, weight, bias=None):
         if broken == 'raises': raise RuntimeError('no oneDNN here')
         return torch.zeros(*x.shape[:-1], weight.shape[0])
@@ -145,7 +158,7 @@ def test_a_broken_onednn_leaves_blas(broken, monkeypatch):
 def test_no_linear_to_route_is_blas_and_a_bad_kernel_is_named():
     assert gemv_kernel(nn.Sequential(nn.ReLU())) == 'blas'
     assert gemv_kernel(_llama().to(torch.bfloat16)) == 'blas'
-    with pytest.raises(ValueError, match=r"kernel must be None or one of \('onednn', 'blas', 'inductor'\); got 'mkl'"):
+    with pytest.raises(ValueError, match=r"kernel must be None or one of \('onednn', 'blas'\); got 'mkl'"):
         with faster_products(_llama(), 'mkl'): pass
 
 
@@ -153,13 +166,13 @@ def test_no_linear_to_route_is_blas_and_a_bad_kernel_is_named():
 def test_generate_takes_the_measured_kernel_for_its_eager_steps(chosen, monkeypatch):
     "The default: no flag. The tokens are the same either way (greedy, random weights)."
     model = _gpt2()
-    monkeypatch.setattr(decoding, 'gemv_kernel', lambda m: chosen)
+    _choose(monkeypatch, chosen, chosen)
     calls = _count(monkeypatch)
     prompt = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(1))
     out = generate(model, prompt, 6)
     assert (len(calls) > 0) == (chosen == 'onednn') and _routed(model) == 0
     assert set(calls) <= {2, 10}    # the steps' 2 rows, and the prefill's 2 x 5 (few too)
-    monkeypatch.setattr(decoding, 'gemv_kernel', lambda m: 'blas')
+    _choose(monkeypatch, 'blas', 'blas')
     assert torch.equal(out, generate(model, prompt, 6))
 
 
@@ -167,7 +180,7 @@ def test_the_serving_engine_steps_by_the_measured_kernel(monkeypatch):
     "Its decode rows go to oneDNN when it is the faster; its tokens are generate's."
     from selfattn_nbdev.serving import serve
     model = _llama()
-    monkeypatch.setattr(decoding, 'gemv_kernel', lambda m: 'onednn')
+    _choose(monkeypatch, 'onednn', 'blas')
     calls = _count(monkeypatch)
     prompts = [torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(n)) for n in (3, 7)]
     served = serve(model, prompts, 5, num_blocks=16)
@@ -183,31 +196,24 @@ def test_row_dot_is_the_product():
     torch.testing.assert_close(row_dot(x[0, 0], w), F.linear(x[0, 0], w), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize('kernel', ['inductor', 'onednn'])
-def test_a_compiled_step_takes_row_dot_for_one_row_only(kernel, monkeypatch):
-    "Traced by Dynamo (is_compiling): 'inductor' makes one row row_dot; more rows, or oneDNN's kernel, F.linear."
+@pytest.mark.parametrize('compiled', [True, False])
+def test_a_compiled_step_takes_row_dot_for_one_row_only(compiled, monkeypatch):
+    "Traced by Dynamo (is_compiling): told it is compiled, one row is row_dot; more rows, or not told, F.linear."
     model, dots = _llama(), []
     real = decoding.row_dot
     monkeypatch.setattr(decoding, 'row_dot', lambda *a: dots.append(a[0].shape) or real(*a))
     calls = _count(monkeypatch)
-    with torch.no_grad(), faster_products(model, kernel):
+    with torch.no_grad(), faster_products(model, 'onednn', compiled=compiled):
         eager = model(torch.randint(0, 64, (1, 1), generator=torch.Generator().manual_seed(0)))
         monkeypatch.setattr(torch.compiler, 'is_compiling', lambda: True)
         traced = model(torch.randint(0, 64, (1, 1), generator=torch.Generator().manual_seed(0)))
         model(torch.randint(0, 64, (2, 1)))                       # two rows: F.linear
     linears = sum(type(m) is nn.Linear for m in model.modules())
-    assert len(dots) == (linears if kernel == 'inductor' else 0)
-    assert len(calls) == (linears if kernel == 'onednn' else 0)   # the eager call only
+    assert len(dots) == (linears if compiled else 0)
+    assert len(calls) == linears                                  # the eager call only: oneDNN
     torch.testing.assert_close(traced, eager, rtol=1e-5, atol=1e-5)
-
-
-def test_measuring_leaves_the_callers_random_stream_alone(monkeypatch):
-    "gemv_kernel draws its inputs from a generator of its own: a seeded caller draws what it would have."
-    monkeypatch.setattr(decoding, '_GEMV_KERNELS', {})
-    model = _gpt2()
-    torch.manual_seed(3); expected = torch.rand(4)
-    torch.manual_seed(3); gemv_kernel(model); assert decoding._GEMV_KERNELS   # measured
-    assert torch.equal(torch.rand(4), expected)
+    with pytest.raises(TypeError, match="compiled must be True or False; got 'yes'"):
+        with faster_products(model, compiled='yes'): pass
 
 
 def _family(kind):
@@ -232,8 +238,8 @@ def test_every_native_family_decodes_by_onednn_to_the_same_tokens(kind, monkeypa
     "Every family from_hf builds natively routes its linears, and writes BLAS's greedy tokens."
     model, prompt = _family(kind), torch.randint(0, 96, (1, 6), generator=torch.Generator().manual_seed(2))
     calls = _count(monkeypatch)
-    monkeypatch.setattr(decoding, 'gemv_kernel', lambda m: 'onednn')
+    _choose(monkeypatch, 'onednn', 'onednn')
     by_onednn = generate(model, prompt, 8)
     assert len(calls) >= 8 and _routed(model) == 0
-    monkeypatch.setattr(decoding, 'gemv_kernel', lambda m: 'blas')
+    _choose(monkeypatch, 'blas', 'blas')
     assert torch.equal(by_onednn, generate(model, prompt, 8))

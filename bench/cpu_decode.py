@@ -19,7 +19,7 @@ llama.cpp's is. Recorded:
 - `gemv_kernel`: per shape and thread count, the kernel the package's `gemv_kernel` chose for one token's products
   (the BLAS behind F.linear, or oneDNN) and `gemm_kernel` for a prompt's, and the seconds each measurement took;
 - `prefill_ms`: per shape and thread count, one forward over a 512-token prompt with the measured kernels and with
-  every product by the BLAS, medians of the rounds, in turns;
+  every product by the BLAS, medians of twice the rounds, in turns, each first in half of them;
 - `peers`: 1 and 2 threads, a 32-token prompt and 64 new tokens at batch 1, rounds interleaving the package's
   `generate` (growing caches; its products by the kernel `gemv_kernel` chose), the same with every product by the
   BLAS (`package generate (BLAS)`: what `generate` did before it measured), `generate(static=True)` and
@@ -129,8 +129,7 @@ def ours_rate(model, ids, new, static=None, compile=False, kernel=None) -> tuple
 
 
 def chosen_kernel(model) -> dict:
-    "What `gemv_kernel` (one row) and `gemm_kernel` (a prompt's rows) choose at this thread count, measured afresh."
-    decoding._MEASURED.clear()
+    "What `gemv_kernel` (one row) and `gemm_kernel` (a prompt's rows) choose at this thread count (kept after)."
     start = time.perf_counter(); kernel = decoding.gemv_kernel(model); gemv_s = time.perf_counter() - start
     start = time.perf_counter(); prompt = decoding.gemm_kernel(model); gemm_s = time.perf_counter() - start
     return dict(kernel=kernel, seconds=gemv_s, prompt_kernel=prompt, prompt_seconds=gemm_s)
@@ -289,6 +288,7 @@ def main():
                                       gemv_row_major=gemv_rate(ours, False), gemv_column_major=gemv_rate(ours, True),
                                       gemv_onednn=gemv_rate(ours, False, onednn=True))
         chosen = {}
+        decoding._MEASURED.clear()  # measured afresh, once a thread count: what every later call uses
         for threads in (1, 2):
             torch.set_num_threads(threads)
             chosen[f'{threads}'] = chosen_kernel(ours)
@@ -300,8 +300,9 @@ def main():
             torch.set_num_threads(threads)
             times = collections.defaultdict(list)
             prefill_ms(ours, prompt)  # a warm-up
-            for _ in range(args.rounds):
-                for kernel in (None, 'blas'): times[kernel or 'measured'].append(prefill_ms(ours, prompt, kernel))
+            for r in range(2 * args.rounds):  # each first in half the rounds: a call after another
+                for kernel in (None, 'blas')[::1 - 2 * (r % 2)]:  # pays for what that one freed
+                    times[kernel or 'measured'].append(prefill_ms(ours, prompt, kernel))
             prefill[f'{threads}'] = {k: statistics.median(v) for k, v in times.items()}
         torch.set_num_threads(1)
         result['shapes'][name]['prefill_ms'] = prefill

@@ -198,7 +198,7 @@ class Engine:
 
     def _forward(self, rows:list, new:list) -> Tensor: # each row's last logits (b, V)
         for cache in self.caches: cache.rows = rows
-        with faster_products(self.model):  # a few rows: the faster kernel (Batches)
+        with faster_products(self.model):  # each product by the faster kernel (Batches)
             logits = self.model(torch.tensor(new, device=self.device), self.caches)
         for seq, tokens in zip(rows, new): seq.length += len(tokens)
         return logits[:, -1]

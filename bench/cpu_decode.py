@@ -122,7 +122,7 @@ def gemv_rate(model, column_major: bool, onednn: bool = False) -> float:
 def ours_rate(model, ids, new, static=None, compile=False, kernel=None) -> tuple:  # static None: generate's
     "Tokens a second of the decode steps, and the new tokens; `kernel` 'blas': every product by F.linear's BLAS."
     steps, measured = [], (decoding.gemv_kernel, decoding.gemm_kernel)
-    if kernel is not None: decoding.gemv_kernel = decoding.gemm_kernel = lambda model: kernel
+    if kernel is not None: decoding.gemv_kernel = decoding.gemm_kernel = lambda model, linears=None: kernel
     try: out = generate(model, ids, new, step_times=steps, static=static, stop_ids=[], compile=compile)
     finally: decoding.gemv_kernel, decoding.gemm_kernel = measured
     return (new - 1) * ids.shape[0] / sum(steps[1:]), out[:, ids.shape[1]:]

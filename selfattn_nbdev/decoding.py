@@ -340,11 +340,16 @@ class _Routed:
 
 def _routable(linear:nn.Module) -> bool:
     "A plain float32 linear on the CPU, its weights contiguous and ordinary tensors."
-    w, b = getattr(linear, 'weight', None), getattr(linear, 'bias', None)
-    return (_plain(linear) and 'forward' not in linear.__dict__
-            and type(w) in _ORDINARY and w.dim() == 2 and w.device.type == 'cpu'
-            and w.dtype == torch.float32 and w.is_contiguous()
+    if not _plain(linear): return False  # most modules: told apart by type, at once
+    w, b = linear._parameters['weight'], linear._parameters['bias']
+    return ('forward' not in linear.__dict__ and type(w) in _ORDINARY and w.ndim == 2
+            and w.is_cpu and w.dtype == torch.float32 and w.is_contiguous()
             and (b is None or (type(b) in _ORDINARY and b.dtype == w.dtype)))
+
+def _linears(model:nn.Module) -> list: # in the model's order
+    "The linears `faster_products` routes: routable, or routed by a block around it."
+    return [m for m in model.modules() if type(m) is nn.Linear and (  # at once
+            isinstance(m.__dict__.get('forward'), _Routed) or _routable(m))]
 
 def _timed(kernel, weights:list, xs:dict) -> float: # seconds for one pass
     start = time.perf_counter()
@@ -353,19 +358,20 @@ def _timed(kernel, weights:list, xs:dict) -> float: # seconds for one pass
 
 _MEASURED = {}  # (rows, threads, the shapes read, all of `most`) -> 'onednn' | 'blas'
 
-def _faster(model:nn.Module, rows:int, most:int) -> str: # most: bytes of weights read
-    "The faster kernel for `rows` rows on the model's first `most` bytes of weights."
+def _faster(linears:list, rows:int, most:int) -> str: # most: bytes of weights read
+    "The faster kernel for `rows` rows on the linears' first `most` bytes of weights."
     weights, seen, total = [], set(), 0
-    for m in model.modules():  # in the model's order
-        if _routable(m) and id(m.weight) not in seen and total < most:
-            seen.add(id(m.weight)); weights.append(m.weight.detach())
-            total += m.weight.nbytes
+    for m in linears:
+        if total >= most: break
+        w = m._parameters['weight']  # (nn.Module's attribute lookup costs more)
+        if id(w) not in seen: seen.add(id(w)); weights.append(w); total += w.nbytes
     if not weights: return 'blas'
     shapes = tuple(sorted({tuple(w.shape) for w in weights}))
     key = (rows, torch.get_num_threads(), shapes, total >= most)  # other widths, or
     if key in _MEASURED: return _MEASURED[key]  # a model held in cache: measured again
     seeded = torch.Generator().manual_seed(0)  # the caller's random stream untouched
     xs = {n: torch.randn(rows, n, generator=seeded) for n in {s[1] for s in shapes}}
+    weights = [w.detach() for w in weights]
     try:  # a build without oneDNN, or a kernel that computes another product: BLAS
         with torch.no_grad():
             w, x = weights[0], xs[weights[0].shape[1]]
@@ -382,15 +388,19 @@ def _faster(model:nn.Module, rows:int, most:int) -> str: # most: bytes of weight
 
 def gemv_kernel(
     model:nn.Module, # its plain float32 CPU linears are what a decode step reads
+    linears:list|None=None, # those linears, if found already (None: found here)
 ) -> str: # 'onednn' or 'blas' (F.linear): the faster for one row, on this machine
     "Which kernel multiplies one token by the weights faster here: measured once, kept."
-    return _faster(model, 1, 64 * 2**20)  # enough bytes to pass through the caches
+    if linears is None: linears = _linears(model)
+    return _faster(linears, 1, 64 * 2**20)  # enough bytes to pass through the caches
 
 def gemm_kernel(
     model:nn.Module, # its plain float32 CPU linears are what a prompt's forward reads
+    linears:list|None=None, # those linears, if found already (None: found here)
 ) -> str: # 'onednn' or 'blas': the faster for GEMM_PROBE_ROWS rows, on this machine
     "Which kernel multiplies a prompt's tokens by the weights faster: measured once."
-    return _faster(model, GEMM_PROBE_ROWS, 16 * 2**20)  # arithmetic, not bytes, bound
+    if linears is None: linears = _linears(model)
+    return _faster(linears, GEMM_PROBE_ROWS, 16 * 2**20)  # arithmetic, not bytes
 
 @contextmanager
 def faster_products(
@@ -402,15 +412,15 @@ def faster_products(
     if kernel is not None and kernel not in KERNELS:
         raise ValueError(f"kernel must be None or one of {KERNELS}; got {kernel!r}")
     check_flag(compiled, 'compiled')
-    few, many = ((gemv_kernel(model), gemm_kernel(model)) if kernel is None
-                 else (kernel, kernel))
+    linears = _linears(model)  # found once: every entry of a serving step pays it
+    few, many = ((gemv_kernel(model, linears), gemm_kernel(model, linears))
+                 if kernel is None else (kernel, kernel))
     routed = []
     if (few, many, compiled) != ('blas', 'blas', False):
         with _holding:  # counted: a linear another block holds stays routed for it
-            for m in model.modules():
-                ours = isinstance(m.__dict__.get('forward'), _Routed)
-                if not (ours or _routable(m)): continue
-                if not ours:  # one object per choice: what a compiled step guards on
+            for m in linears:
+                if not isinstance(m.__dict__.get('forward'), _Routed):
+                    # one object per choice: what a compiled step guards on
                     kept = m.__dict__.setdefault('_routed', {})
                     m.forward = kept.setdefault((few, many, compiled),
                                                 _Routed(m, few, many, compiled))

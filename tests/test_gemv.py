@@ -68,8 +68,8 @@ def test_every_plain_linear_is_routed_in_the_block_and_none_after(build, monkeyp
 
 def _choose(monkeypatch, few, many):
     "gemv_kernel and gemm_kernel answer `few` and `many`, unmeasured."
-    monkeypatch.setattr(decoding, 'gemv_kernel', lambda m: few)
-    monkeypatch.setattr(decoding, 'gemm_kernel', lambda m: many)
+    monkeypatch.setattr(decoding, 'gemv_kernel', lambda m, linears=None: few)
+    monkeypatch.setattr(decoding, 'gemm_kernel', lambda m, linears=None: many)
 
 
 @pytest.mark.parametrize('few, many', [('onednn', 'blas'), ('blas', 'onednn')])
@@ -143,6 +143,21 @@ def test_gemv_kernel_measures_once_and_keeps_a_clear_win_only(monkeypatch):
     wider = Llama(vocab_size=64, context_length=64, d_model=48, num_heads=4, num_layers=1)
     assert gemv_kernel(wider) == 'blas' and len(timed) == before + 6  # its own measurement
     assert gemv_kernel(model) == 'blas'                         # (kept from above)
+
+
+def test_an_entry_finds_the_linears_once_and_the_kernels_answer_alike_inside(monkeypatch):
+    "faster_products walks the model once an entry (a serving step enters it each step); inside, the choice holds."
+    model = _llama()
+    monkeypatch.setattr(decoding, '_MEASURED', {})
+    monkeypatch.setattr(decoding, '_timed', lambda kernel, weights, xs: 0.5 if kernel is decoding.onednn_linear else 1.0)
+    walks, find = [], decoding._linears
+    monkeypatch.setattr(decoding, '_linears', lambda m: walks.append(m) or find(m))
+    outside = gemv_kernel(model), gemm_kernel(model)
+    assert outside == ('onednn', 'onednn') and len(walks) == 2
+    walks.clear()
+    with faster_products(model):
+        assert len(walks) == 1                                  # one walk for both choices
+        assert (gemv_kernel(model), gemm_kernel(model)) == outside  # the routed linears count too
 
 
 @pytest.mark.parametrize('broken', ['raises', 'wrong'])

@@ -231,8 +231,6 @@ _flex = {'compiled': None, 'block_masks': collections.OrderedDict(),
          'last': (None, (), None, None),  # the last per-batch block mask
          'lock': threading.Lock()}
 
-def _current_mode() -> str: return _modes.mode  # this thread's
-def _forced_kernel() -> str|None: return _modes.kernel  # this thread's
 
 @contextlib.contextmanager
 def flex_mode(
@@ -241,7 +239,7 @@ def flex_mode(
     "Within the `with` block, in this thread, choose how the fused path uses Flex."
     if mode not in FLEX_MODES:
         raise ValueError(f"mode must be one of {FLEX_MODES}; got {mode!r}")
-    before, _modes.mode = _current_mode(), mode  # this thread's: the others keep theirs
+    before, _modes.mode = _modes.mode, mode  # this thread's: the others keep theirs
     try: yield
     finally: _modes.mode = before
 
@@ -252,7 +250,7 @@ def attention_kernel(
     "In the `with` block, in this thread, the fused path takes `kernel` or refuses."
     if kernel is not None and kernel not in KERNELS:
         raise ValueError(f"kernel must be None or one of {KERNELS}; got {kernel!r}")
-    before, _modes.kernel = _forced_kernel(), kernel
+    before, _modes.kernel = _modes.kernel, kernel
     try: yield
     finally: _modes.kernel = before
 
@@ -272,7 +270,7 @@ def pick_kernel(
     runs_only = runs_only and not scored  # a run's kernel takes no score function
     if (device_type == 'cuda' and runs_only and half and not dropout
             and importlib.util.find_spec('torch.nn.attention.varlen')): return 'varlen'
-    mode = _current_mode()
+    mode = _modes.mode  # this thread's
     flex_asked = mode in ('compiled', 'eager') and not needs_grad  # no CPU backward
     if (device_type == 'cpu' and runs_only and not dropout and num_tokens == num_keys
             and num_tokens >= RUNS_MIN_TOKENS and not flex_asked):
@@ -760,7 +758,7 @@ def _attend_unfused(self:MultiHeadAttention, queries, keys, values, # (b, h|kv, 
         return UNFUSED_KERNELS[kernel](self, queries, keys, values, key_padding_mask,
                                        document_ids, mask_mod, score_mod)
     (b, _, T, _), S = queries.shape, keys.shape[2]
-    if T * S >= BLOCK_MIN_PAIRS and not _forced_kernel():
+    if T * S >= BLOCK_MIN_PAIRS and not _modes.kernel:
         _say_once(('explicit', 'dropout'), f"attention took the 'explicit' path: a "
                   f"score function with dropout goes to no fused kernel, so the scores "
                   f"of {T} x {S} pairs per head are held in memory")
@@ -781,7 +779,7 @@ def _attend_masked(self:MultiHeadAttention,
                    score_mod:Callable|None=None, # yours, on the scaled scores
                   ) -> Tensor: # context, (b, num_heads, num_tokens, head_dim)
     "The fused path on a whole sequence: one choice of kernel, for mask and scores."
-    T, forced = queries.shape[2], _forced_kernel()
+    T, forced = queries.shape[2], _modes.kernel  # this thread's
     own = self._score_mod() is not None           # the module's own: reads the score
     scored = own or score_mod is not None
     padded = key_padding_mask is not None or document_ids is not None
@@ -877,10 +875,6 @@ MultiHeadAttention._call_parts['masks'] = (('document_ids', 'mask_mod', 'score_m
 MultiHeadAttention._kernel_choices['masks'] = '_attend_masked'  # a whole sequence
 
 # %% ../nbs/10_masks.ipynb #4310c513
-def _open_forward_masks(): # the scope: the masks kept, and FlexAttention's token
-    "A new scope: `_kept` keeps its blocks' masks in it (and `_attend_flex` a token)."
-    return _FORWARD_MASKS.set({})
-
 def _end_forward_masks(model, args, kwargs, output): # after every forward: the
     "The scope this forward opened, closed: the one around it (or none) again."
     opened = model.__dict__['_forward_masks_tokens']    # a list, one a forward in it
@@ -904,7 +898,7 @@ def _forward_masks_part(
                                     always_call=True)  # it runs from the next call
         model._forward_masks_tokens = []  # on, so this one opens no scope
         return NotImplemented
-    model._forward_masks_tokens.append(_open_forward_masks())
+    model._forward_masks_tokens.append(_FORWARD_MASKS.set({}))  # a new scope
     return NotImplemented
 
 # it answers no positions; the documents' part below may (every part is asked)
@@ -942,7 +936,7 @@ MultiHeadAttention._model_parts['documents'] = _documents_call_part  # TinyGPT's
 @contextlib.contextmanager
 def shared_masks():
     "A scope in which attention calls of the same mask and sizes share its dense form."
-    token = _open_forward_masks()
+    token = _FORWARD_MASKS.set({})  # a new scope: the masks kept, and Flex's token
     try: yield
     finally: _FORWARD_MASKS.reset(token)  # the scope around it, if any, again
 

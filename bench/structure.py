@@ -53,7 +53,7 @@ def story_guards() -> dict:
 
 
 def module_imports() -> dict:
-    "Each module of the package: its lines, the notebook that writes it, and the package modules it imports."
+    "Each module of the package: its lines, the notebooks that write it (first its own), and the modules it imports."
     layout = {}
     for path in sorted(PACKAGE.glob('*.py')):
         if path.name in ('_modidx.py', '__init__.py'): continue
@@ -62,7 +62,11 @@ def module_imports() -> dict:
         imports = sorted({node.module for node in ast.walk(tree)
                           if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module})
         page = re.search(r'File to edit: \.\./nbs/(\S+)\.ipynb', text)  # nbdev's header
-        layout[path.stem] = dict(lines=len(text.splitlines()), page=page and page.group(1), imports=imports)
+        pages = [page.group(1)] if page else []
+        for more in re.findall(r'^# %% \.\./nbs/(\S+)\.ipynb', text, re.M):  # cells of a later page
+            if more not in pages: pages.append(more)
+        layout[path.stem] = dict(lines=len(text.splitlines()), page=page and page.group(1), pages=pages,
+                                 imports=imports)
     return layout
 
 

@@ -16,8 +16,8 @@ from .multihead import _check_cache
 from .generation import TinyGPT
 from .masks import (_check_mods, _refuse_kernel, block_mask, causal,
                                   dense_mask)
-from .gqa_window_rope import _shared_table, rope_rotate
-from .llama_attention import _rope_cos_sin, check_yarn, yarn_mscale
+from .gqa_window_rope import (
+    _rope_cos_sin, _shared_table, check_yarn, rope_rotate, yarn_mscale)
 from .tiled import tiled_attention
 from .models import (TRANSFORMERS_ROUTE, LlamaBlock, SwiGLU, _refuse,
                                    _rope_of, _setting, hf_settings)

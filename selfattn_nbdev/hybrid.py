@@ -18,8 +18,9 @@ from .core import check_flag, check_size, check_token_ids, patch
 from .generation import TinyGPT
 from .multihead import _check_cache
 from .decoding import project
-from .llama_attention import (RESCALINGS, LlamaAttention, _turn_first,
-                                   check_rope_scaling, layer_windows, soft_cap)
+from .llama_attention import (LlamaAttention, _turn_first, layer_windows,
+                                   soft_cap)
+from .gqa_window_rope import RESCALINGS, check_rope_scaling
 from .models import HF_DEFAULTS, SwiGLU, _refuse, _rope_of, hf_settings
 from .gemma import Gemma, GemmaBlock, GemmaRMSNorm
 from .pretrained import FAMILIES

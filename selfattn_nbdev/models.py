@@ -24,9 +24,10 @@ from .causal import check_dropout
 from .multihead import MultiHeadAttention
 from .generation import TinyGPT, TransformerBlock
 from .decoding import project
-from .llama_attention import (LAYER_TYPES, RESCALINGS, LlamaAttention,
-                                   check_rope_scaling, check_yarn, layer_windows,
-                                   rope_frequencies, yarn_frequencies, yarn_mscale)
+from .llama_attention import LAYER_TYPES, LlamaAttention, layer_windows
+from .gqa_window_rope import (
+    RESCALINGS, check_rope_scaling, check_yarn,
+    rope_frequencies, yarn_frequencies, yarn_mscale)
 _all_ = ["check_yarn", "yarn_frequencies", "yarn_mscale"]  # here since they moved
 
 # %% ../nbs/13_pretrained.ipynb #7d00dff3

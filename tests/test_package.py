@@ -123,3 +123,25 @@ def test_wheel_contains_modules_and_modidx(tmp_path):
     assert requires == ['Requires-Dist: torch>=2.1'], requires
     description = zipfile.ZipFile(wheel).read(meta).decode()
     assert '](index_files/' not in description and '](https://raw.githubusercontent.com/' in description  # pictures work on PyPI
+
+
+def test_modules_import_each_other_relatively():
+    "nbdev turns `from selfattn_nbdev.x import ...` into `from .x import ...`, but misses a parenthesised import whose last line is shorter than its first `from ...`: none may remain at module level."
+    absolute = [f"{p.name}:{i}" for p in sorted((ROOT / 'selfattn_nbdev').glob('*.py'))
+                for i, line in enumerate(p.read_text().splitlines(), 1) if line.startswith('from selfattn_nbdev')]
+    assert absolute == []
+
+
+def test_rope_has_one_home_and_its_old_paths_still_import():
+    "RoPE, its rescalings and its cos/sin live in gqa_window_rope; llama_attention and models still give them by name."
+    from selfattn_nbdev import gqa_window_rope as rope, llama_attention, models
+    names = ['rope_angles', 'rope_rotate', 'apply_rope', 'check_rope', 'rope_frequencies', 'yarn_frequencies',
+             'yarn_mscale', 'check_rope_scaling', 'check_yarn', 'RESCALINGS', '_rope_cos_sin']
+    for name in names:
+        value = getattr(rope, name)
+        assert getattr(value, '__module__', rope.__name__) == rope.__name__, name
+    for name in ['rope_frequencies', 'yarn_frequencies', 'yarn_mscale', 'check_rope_scaling', 'check_yarn', 'RESCALINGS',
+                 'LLAMA3_KEYS', 'YARN_DEFAULTS']:
+        assert getattr(llama_attention, name) is getattr(rope, name), name
+    for name in ['check_yarn', 'yarn_frequencies', 'yarn_mscale', 'rope_frequencies']:
+        assert getattr(models, name) is getattr(rope, name), name

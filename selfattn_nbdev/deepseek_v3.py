@@ -14,8 +14,8 @@ from .core import check_size, check_tokens
 from .causal import causal_allowed, check_context, check_dropout
 from .multihead import _check_cache
 from .generation import TinyGPT
-from .masks import (_check_mods, _refuse_kernel, block_mask, causal,
-                                  dense_mask)
+from .masks import (_check_mods, _dense_once, _refuse_kernel, block_mask,
+                                  causal, dense_mask)
 from .gqa_window_rope import (
     _rope_cos_sin, _shared_table, check_yarn, rope_rotate, yarn_mscale)
 from .tiled import tiled_attention
@@ -136,12 +136,14 @@ class LatentAttention(nn.Module):
                 mask_mod=None, # (b, h, q_idx, kv_idx) -> bool: in place of causal
                 score_mod=None, # (score, b, h, q_idx, kv_idx) -> score: the tiled path
                 scale:float|None=None, # c in softmax(c q·k); None: the module's
+                _forward_masks:dict|None=None, # a model's forward: the masks it shares
                ) -> Tensor: # (b, num_tokens, d_model)
         "Queries; the latent and shared key, turned and cached; keys, values; attend."
         self._check_call(x, document_ids)
         _check_mods(mask_mod, score_mod, scale, cache)
         if x.dim() == 2:  # one sequence: a batch of 1
-            return self(x[None], cache, None, mask_mod, score_mod, scale)[0]
+            return self(x[None], cache, None, mask_mod, score_mod, scale,
+                        _forward_masks)[0]
         b, T, _ = x.shape
         cos, sin = self._angles(x, cache)       # (T, d_R) or (b | 1, 1, T, d_R)
         q = (self.W_query(x) if self.q_rank is None
@@ -155,8 +157,9 @@ class LatentAttention(nn.Module):
         allowed = None
         if cache is not None: latent, allowed = self._cached(cache, latent)
         S = latent.shape[2]
-        if mask_mod is not None:  # yours, in place of causal: (b, h | 1, T, S)
-            allowed = dense_mask(mask_mod, T, S, b, self.num_heads, device=x.device)
+        if mask_mod is not None:  # yours, in place of causal: (b, h | 1, T, S), built
+            allowed = _dense_once(mask_mod, T, S, b, self.num_heads, x.device,  # once
+                                  _forward_masks)                 # a model's forward
         elif allowed is None and T > 1 and cache is not None:  # the last T of S keys
             allowed = causal_allowed(T, x.device, S)  # (a whole sequence: SDPA's flag)
         dropout = self.dropout if self.training else 0.0

@@ -285,18 +285,20 @@ def _attend_fused(self:LlamaAttention, queries, keys, values, allowed=None,
 
 @patch
 def _attend_masked(self:LlamaAttention, queries, keys, values, key_padding_mask=None,
-                   document_ids=None, mask_mod=None, score_mod=None):
+                   document_ids=None, mask_mod=None, score_mod=None,
+                   _forward_masks=None): # a model's forward: the masks its blocks share
     "Sinks: the tiled kernel and its L (explicit under dropout); else the one choice."
     if self.sinks is None:
         return MultiHeadAttention._attend_masked(self, queries, keys, values,
                                                  key_padding_mask, document_ids,
-                                                 mask_mod, score_mod)
+                                                 mask_mod, score_mod, _forward_masks)
     if self._sinks_tiled(queries.shape[2]):
         return self._attend_sunk(queries, keys, values, key_padding_mask, document_ids,
                                  mask_mod=mask_mod, score_mod=score_mod)
     T = queries.shape[2]
     allowed = self._allowed(T, T, key_padding_mask, queries.shape[0],
-                            document_ids=document_ids, mask_mod=mask_mod)
+                            document_ids=document_ids, mask_mod=mask_mod,
+                            _forward_masks=_forward_masks)
     return self._attend_explicit(queries, keys, values, allowed,
                                  score_mod=score_mod)[0]
 

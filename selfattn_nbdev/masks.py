@@ -510,29 +510,33 @@ def _in_runs(
     return context.transpose(1, 2)                                    # (b, h, T, hd)
 
 # %% ../nbs/10_masks.ipynb #ca0f4f0f
-# a model's forward: {key: a mask its blocks share (a mask_mod's dense mask, SDPA's
-# form of it)}; None outside one, where every call builds its own (a mask_mod may
-# read a tensor that changes between calls, never during one)
+# the masks a model's blocks share, {key: a mask_mod's dense mask, SDPA's form of
+# it, ...}: the dict a model hands its blocks each forward (`_forward_masks`), else
+# the scope of `shared_masks` (below); with neither, every call builds its own (a
+# mask_mod may read a tensor that changes between calls, never during one)
 _FORWARD_MASKS = contextvars.ContextVar('forward_masks', default=None)
 
-def _kept(key:tuple, make:Callable, *args): # what make(*args) returns
-    "`make(*args)` once a model's forward, kept in its scope for the other blocks."
-    masks = None if torch.compiler.is_compiling() else _FORWARD_MASKS.get()
-    if masks is None: return make(*args)  # outside a forward (or compiling): each call
+def _kept(masks:dict|None, # the forward's (None: shared_masks' scope, if any)
+          key:tuple, make:Callable, *args): # what make(*args) returns
+    "`make(*args)` once a model's forward, kept in its dict for the other blocks."
+    if torch.compiler.is_compiling(): return make(*args)  # a graph keeps nothing
+    if masks is None: masks = _FORWARD_MASKS.get()
+    if masks is None: return make(*args)  # no forward, no scope: each call its own
     if key not in masks: masks[key] = make(*args)
     return masks[key]
 
 def _dense_once(mask_mod:Callable, num_tokens:int, num_keys:int, batch:int, heads:int,
-                device) -> Tensor: # bool (b, heads, T, S), True = attend
+                device, masks:dict|None=None) -> Tensor: # bool (b, h, T, S): attend
     "`dense_mask`, asked once a forward and kept for the other blocks that ask again."
-    return _kept((mask_mod, num_tokens, num_keys, batch, heads, str(device)), _dense,
-                 mask_mod, num_tokens, num_keys, batch, heads, device)
+    return _kept(masks, (mask_mod, num_tokens, num_keys, batch, heads, str(device)),
+                 _dense, mask_mod, num_tokens, num_keys, batch, heads, device)
 
 def _opened_once(m:MultiHeadAttention, # the module: its causal flag, window, rules
                  num_tokens:int, batch:int, device, # a whole sequence of T tokens
                  key_padding_mask:Tensor|None=None, # bool (b, T), True = padding
                  document_ids:Tensor|None=None, # int (b, T): packed documents
                  mask_mod:Callable|None=None, # yours, in place of causal and window
+                 masks:dict|None=None, # the forward's, where it keeps them
                 ) -> tuple: # SDPA's mask (b | 1, h | 1, T, T), dead (..., T, 1) or None
     "The module's mask (`_allowed`), empty rows opened: made once a model's forward."
     def make():
@@ -544,7 +548,7 @@ def _opened_once(m:MultiHeadAttention, # the module: its causal flag, window, ru
             if key_padding_mask is None: return allowed, None  # each query sees itself
         else:  # yours: as `_allowed` with your rule, the causal mask not built
             allowed = _dense_once(mask_mod, num_tokens, num_tokens, batch, m.num_heads,
-                                  device)
+                                  device, masks)
             if key_padding_mask is not None:                    # (b, 1, 1, T)
                 allowed = allowed & ~key_padding_mask[:, None, None, :]
             if document_ids is not None:                        # (b, 1, T, T)
@@ -558,8 +562,8 @@ def _opened_once(m:MultiHeadAttention, # the module: its causal flag, window, ru
             return make()  # the caller's own tensor may change between two calls
     own = ((type(m)._allowed, m.causal, m.window) if mask_mod is None else
            (mask_mod, m.num_heads))  # what the mask depends on, besides the inputs
-    return _kept(('opened', own, num_tokens, batch, str(device), key_padding_mask,
-                  document_ids), make)
+    return _kept(masks, ('opened', own, num_tokens, batch, str(device),
+                         key_padding_mask, document_ids), make)
 
 # %% ../nbs/10_masks.ipynb #53653628
 def _check_document_ids(
@@ -608,7 +612,8 @@ def _mask_mod_rule(m:MultiHeadAttention, num_tokens:int, num_keys:int, batch:int
     mask_mod = mask_inputs.get('mask_mod')
     if mask_mod is None: return None
     yours = _dense_once(mask_mod, num_tokens, num_keys, batch, m.num_heads,  # (b, h,
-                        m.W_query.weight.device)  # T, S): once a model's forward
+                        m.W_query.weight.device,  # T, S): once a model's forward
+                        mask_inputs.get('_forward_masks'))
     return lambda allowed: yours  # the module's causal or window mask: not asked
 
 # after the window: a mask_mod takes the place of causal and window; documents join
@@ -721,7 +726,7 @@ def _everywhere(b, h, q_idx, kv_idx): return q_idx >= 0  # no mask: every pair
 @patch
 def _attend_flex(self:MultiHeadAttention, queries, keys, values, key_padding_mask,
                  document_ids, compiled:bool, mask_mod=None, # the caller's, or None
-                 score_mod=None) -> Tensor: # (b, h, T, hd)
+                 score_mod=None, masks=None) -> Tensor: # (b, h, T, hd); the forward's
     "FlexAttention with the call's predicate and score function; blocks share masks."
     kernel = 'flex' if compiled else 'flex_eager'   # what attention_kernel asked for
     if queries.requires_grad and not queries.is_cuda:
@@ -733,10 +738,10 @@ def _attend_flex(self:MultiHeadAttention, queries, keys, values, key_padding_mas
             ('window', self.causal, self.window) if plain else
             ('batch', self.causal, self.window))
     reads = () if plain else (key_padding_mask, document_ids)
-    forward = _FORWARD_MASKS.get()  # a model's forward: its blocks share your mask
-    if (mask_mod is not None and plain and forward is not None
-            and not torch.compiler.is_compiling()):  # by a token made once a forward
-        token = _kept(('token',), _share_across_blocks, torch.zeros(()))
+    forward = _FORWARD_MASKS.get() if masks is None else masks  # its blocks share
+    if (mask_mod is not None and plain and forward is not None  # your mask, by a
+            and not torch.compiler.is_compiling()):  # token made once a forward
+        token = _kept(forward, ('token',), _share_across_blocks, torch.zeros(()))
         form, reads = ('yours', mask_mod, self.num_heads), (token,)
     predicate = self._mask_mod(key_padding_mask, document_ids, mask_mod)
     return flex_attend(queries, keys, values, predicate or _everywhere, form,
@@ -752,6 +757,7 @@ UNFUSED_KERNELS = {}
 def _attend_unfused(self:MultiHeadAttention, queries, keys, values, # (b, h|kv, T, hd)
                     key_padding_mask, document_ids, mask_mod, score_mod, # the call's
                     kernel:str, # 'block' or 'explicit'
+                    masks:dict|None=None, # the forward's: the explicit path's mask
                    ) -> Tensor: # (b, heads, T, head_dim)
     "`UNFUSED_KERNELS[kernel]`, else the explicit path; a large call says so once."
     if kernel in UNFUSED_KERNELS:
@@ -763,7 +769,7 @@ def _attend_unfused(self:MultiHeadAttention, queries, keys, values, # (b, h|kv, 
                   f"score function with dropout goes to no fused kernel, so the scores "
                   f"of {T} x {S} pairs per head are held in memory")
     allowed = self._allowed(T, S, key_padding_mask, b, document_ids=document_ids,
-                            mask_mod=mask_mod)
+                            mask_mod=mask_mod, _forward_masks=masks)
     return self._attend_explicit(queries, keys, values, allowed,
                                  score_mod=score_mod)[0]
 
@@ -777,6 +783,7 @@ def _attend_masked(self:MultiHeadAttention,
                    document_ids:Tensor|None=None, # int (b, T): packed documents
                    mask_mod:Callable|None=None, # yours, in place of causal or window
                    score_mod:Callable|None=None, # yours, on the scaled scores
+                   _forward_masks:dict|None=None, # a model's forward: masks it shares
                   ) -> Tensor: # context, (b, num_heads, num_tokens, head_dim)
     "The fused path on a whole sequence: one choice of kernel, for mask and scores."
     T, forced = queries.shape[2], _modes.kernel  # this thread's
@@ -810,13 +817,15 @@ def _attend_masked(self:MultiHeadAttention,
         choice = self._pick(queries, T, runs_only=False, scored=scored)
     if choice.startswith('flex'):  # FlexAttention: tiles skipped, no dense mask
         return self._attend_flex(queries, keys, values, key_padding_mask, document_ids,
-                                 choice == 'flex', mask_mod, score_mod)
+                                 choice == 'flex', mask_mod, score_mod, _forward_masks)
     if choice in ('block', 'explicit'):  # the scores: tile by tile, or all at once
         return self._attend_unfused(queries, keys, values, key_padding_mask,
-                                    document_ids, mask_mod, score_mod, choice)
+                                    document_ids, mask_mod, score_mod, choice,
+                                    _forward_masks)
     if scored: _refuse_kernel(choice, "SDPA takes no score function")
     opened, dead = _opened_once(self, T, queries.shape[0], queries.device,  # SDPA, the
-                                key_padding_mask, document_ids, mask_mod)   # dense mask
+                                key_padding_mask, document_ids, mask_mod,   # dense mask
+                                _forward_masks)
     context = self._attend_fused(queries, keys, values, opened, every_row=True)
     return context if dead is None else context.masked_fill(dead, 0.0)  # no key: 0
 
@@ -870,36 +879,34 @@ def _masks_part(
     # with RoPE each document starts again at 0; without, positions are not read
     return document_positions(document_ids) if m.rope else None
 
-MultiHeadAttention._call_parts['masks'] = (('document_ids', 'mask_mod', 'score_mod'),
-                                           _masks_part)  # _inputs asks it
+MultiHeadAttention._call_parts['masks'] = (  # _inputs asks it; a model's forward adds
+    ('document_ids', 'mask_mod', 'score_mod', '_forward_masks'), _masks_part)  # (below)
 MultiHeadAttention._kernel_choices['masks'] = '_attend_masked'  # a whole sequence
 
 # %% ../nbs/10_masks.ipynb #4310c513
-def _end_forward_masks(model, args, kwargs, output): # after every forward: the
-    "The scope this forward opened, closed: the one around it (or none) again."
-    opened = model.__dict__['_forward_masks_tokens']    # a list, one a forward in it
-    if opened: _FORWARD_MASKS.reset(opened.pop())
-
 def _forward_masks_part(
     model:torch.nn.Module, # the model called: a TinyGPT, or one built like it
     token_ids:Tensor, caches:list|None, # without caches: a whole sequence
     attn_inputs:dict, # the call's inputs: padding, documents, a mask_mod, if any
 ): # NotImplemented: the positions are another part's, or the model's own
-    "One copy of the padding for the blocks; a scope in which they share their masks."
+    "One copy of the padding for the blocks; a dict in which they share their masks."
     padding = attn_inputs.get('key_padding_mask')  # its runs, its masks: found once
     if isinstance(padding, Tensor):
         attn_inputs['key_padding_mask'] = _share_across_blocks(padding)
     documents, mask_mod = attn_inputs.get('document_ids'), attn_inputs.get('mask_mod')
-    if torch.compiler.is_compiling() or (caches is not None and padding is None and
-                                         documents is None and mask_mod is None):
+    given = padding is not None or documents is not None or mask_mod is not None
+    if torch.compiler.is_compiling() or (caches is not None and not given):
         return NotImplemented  # a decode step: each cache holds its mask
-    if '_forward_masks_tokens' not in model.__dict__:  # the model's first such call:
-        model.register_forward_hook(_end_forward_masks, with_kwargs=True,
-                                    always_call=True)  # it runs from the next call
-        model._forward_masks_tokens = []  # on, so this one opens no scope
-        return NotImplemented
-    model._forward_masks_tokens.append(_FORWARD_MASKS.set({}))  # a new scope
+    if given or _windowed(model):  # else causal alone: SDPA's flag, no mask to share
+        attn_inputs['_forward_masks'] = {}  # this forward's alone, for every block
     return NotImplemented
+
+def _windowed(model:torch.nn.Module) -> bool: # a block that slides: a mask to share
+    "Whether any block's attention has a window (its mask: built once, then shared)."
+    for block in getattr(model, 'blocks', ()):
+        window = getattr(getattr(block, 'attn', None), 'window', None)
+        if window is not None: return True
+    return False
 
 # it answers no positions; the documents' part below may (every part is asked)
 MultiHeadAttention._model_parts['forward_masks'] = _forward_masks_part

@@ -232,6 +232,7 @@ class SparseLatentAttention(LatentAttention):
                 x:Tensor, # tokens, (b, num_tokens, d_model) or (num_tokens, d_model)
                 cache=None, # a KVCache or StaticKVCache: x holds only the new tokens
                 document_ids=None, # packed documents: not supported here
+                _forward_masks=None, # a model's forward: its masks (none needed here)
                ) -> Tensor: # (b, num_tokens, d_model)
         "Index every key, keep the top k, attend to those: the rest as LatentAttention."
         self._check_call(x, document_ids)                   # LatentAttention's

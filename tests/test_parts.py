@@ -236,14 +236,14 @@ def _dense_masks_built(monkeypatch) -> list:
 
 
 def test_a_models_forward_builds_a_mask_mods_dense_mask_once(monkeypatch):
-    "The model builds the mask once a forward and its blocks read it: one dense mask for four blocks, same logits."
+    """The model builds the mask once a forward, its first included, and its blocks read it: one dense mask for four
+    blocks, same logits; the model holds no hook, and nothing stays set after the forward."""
     from selfattn_nbdev import masks
     model, ids, window = _llama(), torch.randint(0, 64, (2, 24)), sliding_window(5)
-    with torch.no_grad(): shared = model(ids, mask_mod=window)
     built = _dense_masks_built(monkeypatch)
-    with torch.no_grad(): model(ids, mask_mod=window)
+    with torch.no_grad(): shared = model(ids, mask_mod=window)   # the model's first forward
     assert built == [(24, 24)], built
-    assert masks._FORWARD_MASKS.get() is None  # closed when the forward returned
+    assert masks._FORWARD_MASKS.get() is None and not model._forward_hooks
     monkeypatch.delitem(MultiHeadAttention._model_parts, 'forward_masks')  # every block its own
     built.clear()
     with torch.no_grad(): alone = model(ids, mask_mod=window)
@@ -352,8 +352,7 @@ def test_nothing_is_kept_from_one_forward_to_the_next():
     assert not torch.allclose(first, second) and torch.allclose(second, causal_only, atol=1e-5)
     with pytest.raises(ValueError), torch.no_grad():
         model(torch.randint(0, 64, (1, 80)), mask_mod=near)  # longer than the context: refused
-    assert masks._FORWARD_MASKS.get() is None  # a forward that raised closes its scope too
-    assert len(model._forward_hooks) == 1  # one hook, however many calls
+    assert masks._FORWARD_MASKS.get() is None and not model._forward_hooks  # no scope, no hook
 
 
 def test_a_models_forward_builds_a_mask_mods_block_mask_once(monkeypatch):
@@ -410,19 +409,20 @@ def test_every_cache_says_how_many_tokens_it_has_seen_and_where_the_next_stand()
 
 
 def test_a_models_forward_inside_shared_masks_leaves_the_outer_scope_open(monkeypatch):
-    "The forward's scope closes back to the one around it: a layer called after the model still shares its mask."
+    """A model's forward keeps its masks in its own dict: the scope around it is untouched, and a layer called after
+    the model still shares its mask in that scope."""
     from selfattn_nbdev import masks
     model, ids, window = _llama(2), torch.randint(0, 64, (1, 12)), sliding_window(3)
     layer, x = MultiHeadAttention(16, 16, 32, num_heads=4).eval(), torch.randn(2, 12, 16)  # batch 2: a new mask
     with torch.no_grad(), masks.shared_masks():
         outer = masks._FORWARD_MASKS.get()
-        for _ in range(2):  # the first call adds the hook that closes the later ones
+        for _ in range(2):
             model(ids, mask_mod=window)
-            assert masks._FORWARD_MASKS.get() is outer
+            assert masks._FORWARD_MASKS.get() is outer and outer == {}  # the model's own, not the scope's
         built = _dense_masks_built(monkeypatch)
         layer(x, mask_mod=window); layer(x, mask_mod=window)
         assert len(built) == 1
-    assert masks._FORWARD_MASKS.get() is None and model._forward_masks_tokens == []
+    assert masks._FORWARD_MASKS.get() is None
 
 
 def test_moved_families_still_import_from_their_old_home():
@@ -497,15 +497,41 @@ def test_a_padded_forward_under_inference_mode_shares_its_mask_too(monkeypatch):
     assert allowed == [(24, 24)] and torch.equal(first, second), allowed
 
 
-def test_a_plain_forward_opens_an_empty_scope_and_a_decode_step_none():
-    "A causal forward without inputs: a scope, but nothing made in it (SDPA's flag); with caches: no scope at all."
+def test_what_a_forward_hands_its_blocks_to_share_their_masks():
+    """A causal forward without inputs: nothing to share (SDPA's flag); a model with a window, a mask_mod or padding:
+    a new dict each forward, in which the window's mask is made once; with caches and no inputs: none."""
     from selfattn_nbdev import masks
+    from selfattn_nbdev.models import Llama
     model, ids = _llama(2), torch.randint(0, 64, (1, 12))
+    torch.manual_seed(0)
+    windowed = Llama(vocab_size=64, context_length=32, d_model=32, num_heads=4, num_layers=2, window=4).eval()
     seen = []
-    model.blocks[-1].register_forward_pre_hook(lambda m, args: seen.append(masks._FORWARD_MASKS.get()))
+    for m in (model, windowed):
+        m.blocks[-1].register_forward_pre_hook(lambda m, args, kwargs: seen.append(kwargs.get('_forward_masks')),
+                                               with_kwargs=True)
     with torch.no_grad():
-        model(ids); model(ids)                       # the first call adds the hook that closes the scope
+        model(ids); model(ids, mask_mod=sliding_window(3))
         caches = model.new_caches()
         model(ids, caches=caches); model(ids[:, :1], caches=caches)
-    assert seen[0] is None and seen[1] == {} and seen[2:] == [None, None], seen
+        windowed(ids); windowed(ids)
+    plain, modded, prefill, step, first, second = seen
+    assert plain is None and prefill is None and step is None, seen
+    assert len(modded) == 2 and len(first) == 1  # the mod's dense mask and SDPA's form of it; the window's
+    assert first is not second and len(second) == 1  # made again the next forward: nothing kept between calls
     assert masks._FORWARD_MASKS.get() is None
+
+
+def test_deepseeks_blocks_share_a_mask_mods_dense_mask(monkeypatch):
+    "LatentAttention reads the model's dict too: one dense mask of your mask_mod for three blocks, the same logits."
+    from selfattn_nbdev import masks
+    from selfattn_nbdev.deepseek_v3 import DeepSeekV3
+    torch.manual_seed(0)
+    model = DeepSeekV3(50, 32, 16, 4, 3, 32, kv_rank=8, rope_dim=4, nope_dim=4, v_dim=4).eval()
+    ids, window = torch.randint(0, 50, (2, 12)), sliding_window(4)
+    built = _dense_masks_built(monkeypatch)
+    with torch.no_grad(): shared = model(ids, mask_mod=window)
+    assert built == [(12, 12)], built
+    monkeypatch.delitem(MultiHeadAttention._model_parts, 'forward_masks')  # every block its own
+    built.clear()
+    with torch.no_grad(): alone = model(ids, mask_mod=window)
+    assert len(built) == 3 and torch.equal(shared, alone)

@@ -768,10 +768,11 @@ def _attend_unfused(self:MultiHeadAttention, queries, keys, values, # (b, h|kv, 
         _say_once(('explicit', 'dropout'), f"attention took the 'explicit' path: a "
                   f"score function with dropout goes to no fused kernel, so the scores "
                   f"of {T} x {S} pairs per head are held in memory")
-    allowed = self._allowed(T, S, key_padding_mask, b, document_ids=document_ids,
-                            mask_mod=mask_mod, _forward_masks=masks)
-    return self._attend_explicit(queries, keys, values, allowed,
-                                 score_mod=score_mod)[0]
+    opened, dead = _opened_once(self, T, b, queries.device, key_padding_mask,  # SDPA's
+                                document_ids, mask_mod, masks)  # mask: once a forward
+    context = self._attend_explicit(queries, keys, values, opened,
+                                    score_mod=score_mod)[0]
+    return context if dead is None else context.masked_fill(dead, 0.0)  # no key: 0
 
 # %% ../nbs/10_masks.ipynb #d15patch
 @patch

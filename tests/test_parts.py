@@ -308,6 +308,9 @@ def test_a_padded_or_packed_batch_gets_its_dense_mask_once_a_forward(monkeypatch
     real = ~padding[..., None] if 'documents' != given else torch.ones(2, 24, 1, dtype=torch.bool)
     assert torch.allclose(fused * real, explicit * real, atol=1e-5)
     allowed.clear()
+    with torch.no_grad(), attention_kernel('explicit'): again = model(ids, **inputs)
+    assert allowed == [(24, 24)] and torch.equal(again, explicit), allowed  # the explicit path: once too
+    allowed.clear()
     with torch.no_grad(): model.blocks[0].attn(torch.randn(2, 24, 32), **inputs)  # a module alone: its own
     assert allowed == [(24, 24)]
 

@@ -653,8 +653,6 @@ def _score_rule(
 MultiHeadAttention._score_rules['score_mod'] = _score_rule  # the explicit path
 
 # %% ../nbs/10_masks.ipynb #fa1e9496
-_varlen = {'last': ((), None, None)}  # the runs of the last shared copies
-
 def _gapless(key_padding_mask:Tensor) -> bool: # bool (b, T), True = padding
     "No padding between two real tokens of a row: packed, distances stay the row's."
     return bool((_runs_in_rows(~key_padding_mask) <= 1).all())   # the host waits
@@ -665,25 +663,25 @@ def _cuts_into_runs(window:int|None, key_padding_mask:Tensor|None,
     if key_padding_mask is None and document_ids is None: return False
     return window is None or not queries.is_cuda
 
-def _runs(key_padding_mask:Tensor|None, document_ids:Tensor|None) -> VarlenRuns|None:
+def _runs(key_padding_mask:Tensor|None, document_ids:Tensor|None,
+          masks:dict|None=None) -> VarlenRuns|None: # masks: the forward's
     "varlen_runs, found once per forward for the copies a model's blocks share."
-    reads = (key_padding_mask, document_ids)
-    versions = None if torch.compiler.is_compiling() else _versions(reads)
-    last_reads, last_versions, runs = _varlen['last']
-    if _unwritten(reads, versions, (last_reads, last_versions)): return runs
-    runs = varlen_runs(key_padding_mask, document_ids)
-    if versions is not None: _varlen['last'] = (reads, versions, runs)
-    return runs
+    for t in (key_padding_mask, document_ids):  # the caller's own: found each call
+        if t is not None and not getattr(t, '_shared_across_blocks', False):
+            return varlen_runs(key_padding_mask, document_ids)
+    return _kept(masks, ('runs', key_padding_mask, document_ids), varlen_runs,
+                 key_padding_mask, document_ids)
 
 def _cpu_runs(key_padding_mask:Tensor|None, document_ids:Tensor|None,
               window:int|None, # a window over a row padding splits: no runs
               forced:bool=False, # attention_kernel asks for runs: take any number
+              masks:dict|None=None, # the forward's: its runs found once
              ) -> VarlenRuns|None: # None: not one call per run
     "The runs, if one call each pays: few, and not a window over a row padding splits."
     if window is not None and key_padding_mask is not None and (  # packed, distances
             torch.compiler.is_compiling() or not _gapless(key_padding_mask)):  # move
         return None  # (in a compiled graph the host cannot read the padding)
-    runs = _runs(key_padding_mask, document_ids)
+    runs = _runs(key_padding_mask, document_ids, masks)
     if runs is None: return None                     # a document comes back
     count, n = len(runs.cu_seqlens) - 1, int(runs.cu_seqlens[-1])
     return runs if forced or count <= min(RUNS_MAX, n * n // RUN_WORTH) else None
@@ -693,9 +691,10 @@ def _each_run(queries:Tensor, keys:Tensor, values:Tensor, # (b, heads, T, head_d
               window:int|None, # the module's window: padding must not split a row
               attend:Callable, # attention on one run, (1, heads, L, head_dim) each
               forced:bool=False, # attention_kernel asks for runs: see _cpu_runs
+              masks:dict|None=None, # the forward's: its runs found once
              ) -> Tensor|None: # (b, heads, T, head_dim); None: not in runs
     "Each run alone through `attend`; None where `_cpu_runs` says no."
-    runs = _cpu_runs(key_padding_mask, document_ids, window, forced)
+    runs = _cpu_runs(key_padding_mask, document_ids, window, forced, masks)
     if runs is None: return None
     return _in_runs(queries, keys, values, runs, lambda q, k, v: _by_run(
         q, k, v, runs.cu_seqlens.tolist(), attend))
@@ -803,11 +802,12 @@ def _attend_masked(self:MultiHeadAttention,
     if choice == 'varlen' and by_run and own:     # the cap, on each run alone
         explicit = lambda q, k, v: self._attend_explicit(q, k, v)[0]
         context = _each_run(queries, keys, values, key_padding_mask, document_ids,
-                            self.window, explicit, bool(forced))
+                            self.window, explicit, bool(forced), _forward_masks)
         if context is not None: return context
     elif choice == 'varlen' and by_run:           # the real tokens, packed, in runs
-        runs = (_runs(key_padding_mask, document_ids) if queries.is_cuda else
-                _cpu_runs(key_padding_mask, document_ids, self.window, bool(forced)))
+        runs = (_runs(key_padding_mask, document_ids, _forward_masks) if queries.is_cuda
+                else _cpu_runs(key_padding_mask, document_ids, self.window,
+                               bool(forced), _forward_masks))
         if runs is not None:
             return varlen_attend(queries, keys, values, key_padding_mask,
                                  self.causal, document_ids, runs, self.window)

@@ -538,3 +538,18 @@ def test_deepseeks_blocks_share_a_mask_mods_dense_mask(monkeypatch):
     built.clear()
     with torch.no_grad(): alone = model(ids, mask_mod=window)
     assert len(built) == 3 and torch.equal(shared, alone)
+
+
+def test_a_padded_batchs_runs_are_found_once_a_forward(monkeypatch):
+    "Attended run by run, four blocks find the runs of their padding once a forward, kept in the model's dict."
+    from selfattn_nbdev import masks
+    from selfattn_nbdev.masks import attention_kernel
+    model, ids = _llama(), torch.randint(0, 64, (2, 24))
+    padding = torch.zeros(2, 24, dtype=torch.bool); padding[1, :5] = True
+    with torch.no_grad(): dense = model(ids, key_padding_mask=padding)
+    found = _count_calls(monkeypatch, masks, 'varlen_runs', slice(0, 1))
+    with torch.no_grad(), attention_kernel('varlen'):
+        first, second = model(ids, key_padding_mask=padding), model(ids, key_padding_mask=padding)
+    assert len(found) == 2, found  # one a forward, for four blocks
+    real = ~padding[..., None]
+    assert torch.allclose(first * real, dense * real, atol=1e-5) and torch.equal(first, second)

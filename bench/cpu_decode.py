@@ -193,6 +193,38 @@ def profile_step(model, kernel=None) -> dict:
                 kernel=kernel or decoding.gemv_kernel(model))
 
 
+COMPILED_KINDS = [('the graph: weight products, norms, RoPE, element-wise (fused kernels)', ('## Call CompiledFxGraph',)),
+                  ('attention (SDPA, called from the graph)', ('scaled_dot_product',)),
+                  ("guards (Dynamo's cache lookup)", ('TorchDynamo Cache Lookup',)),
+                  ('the runtime around the graph', ('Torch-Compiled Region', 'AOTDispatcher', 'Pregraph'))]
+
+
+def profile_compiled_step(model) -> dict:
+    "One decode step as `generate(compile=True)` runs it (static caches, the step compiled once), by kind."
+    from torch.profiler import ProfilerActivity, profile
+    ids, n = torch.randint(3, model.vocab_size, (1, PROMPT)), 20
+    with torch.no_grad(), decoding.stacked(model), decoding.faster_products(model, compiled=True):
+        caches, step = model.new_caches(PROMPT + 8 + 2 * n), decoding._decode_step(model, True)
+        model(ids, caches); nxt = torch.tensor([[5]])
+        for _ in range(8): step(nxt, caches)[:, -1].argmax(-1)  # compiled here (or found compiled)
+        start = time.perf_counter()
+        for _ in range(n): step(nxt, caches)[:, -1].argmax(-1)
+        plain = (time.perf_counter() - start) / n
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            start = time.perf_counter()
+            for _ in range(n): step(nxt, caches)[:, -1].argmax(-1)
+            profiled = (time.perf_counter() - start) / n
+    kinds, seen = collections.Counter(), 0.0
+    for e in prof.key_averages():
+        kind = next((k for k, keys in COMPILED_KINDS if any(s in e.key for s in keys)),
+                    'other operators (choosing the token, views)' if e.key.startswith('aten::') else None)
+        if kind is None: continue
+        kinds[kind] += e.self_cpu_time_total; seen += e.self_cpu_time_total
+    ms = {k: kinds[k] / n / 1e3 for k, _ in COMPILED_KINDS + [('other operators (choosing the token, views)', ())]}
+    ms['Python (the host\'s half of the step)'] = max(profiled * 1e3 - seen / n / 1e3, 0.0)
+    return dict(step_ms=plain * 1e3, profiled_step_ms=profiled * 1e3, ms=ms)
+
+
 def bare_step(model, column_major: bool):
     "A decode step with nothing but the arithmetic (gpt-fast's shape of step), for GPT-2 or Llama: f(token, pos)."
     lay = (lambda w: w.detach().t().contiguous().t()) if column_major else (lambda w: w.detach())
@@ -371,6 +403,7 @@ def main():
         result['shapes'][name]['costs'] = costs
         result['shapes'][name]['profile'] = profile_step(ours)
         result['shapes'][name]['profile_blas'] = profile_step(ours, 'blas')
+        result['shapes'][name]['profile_compiled'] = profile_compiled_step(ours)
         ids = torch.randint(3, SHAPES[name]['vocab_size'], (1, PROMPT))
         reference = ours_rate(ours, ids, NEW)[1][0].tolist()
         head = {}

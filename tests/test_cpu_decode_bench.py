@@ -48,3 +48,12 @@ def test_compile_seconds_is_the_first_call_less_the_next(monkeypatch):
     got = cpu_decode.compile_seconds(None, None, 4)
     assert got == dict(first_call_s=5.0, next_call_s=1.0, compile_s=4.0)
     assert [k['compile'] for k in calls] == [True, True]
+
+
+@pytest.mark.slow
+def test_the_compiled_profile_accounts_for_the_step():
+    "The compiled step's profile: its graph's kernels hold time, and the kinds add up to no more than the step."
+    prof = cpu_decode.profile_compiled_step(tiny('llama'))
+    graph = cpu_decode.COMPILED_KINDS[0][0]
+    assert prof['ms'][graph] > 0 and set(prof['ms']) >= {k for k, _ in cpu_decode.COMPILED_KINDS}
+    assert sum(prof['ms'].values()) <= 1.5 * prof['profiled_step_ms']

@@ -128,11 +128,11 @@ def test_gemv_kernel_measures_once_and_keeps_a_clear_win_only(monkeypatch):
         return ratio if kernel is decoding.onednn_linear else 1.0
     monkeypatch.setattr(decoding, '_timed', fake)
     ratio = 0.8
-    assert gemv_kernel(model) == 'onednn' and len(timed) == 6   # three passes each
-    assert gemv_kernel(model) == 'onednn' and len(timed) == 6   # kept: not measured again
-    assert gemm_kernel(model) == 'onednn' and len(timed) == 12  # a prompt's rows: its own
+    assert gemv_kernel(model) == 'onednn' and len(timed) == 14  # seven passes each
+    assert gemv_kernel(model) == 'onednn' and len(timed) == 14  # kept: not measured again
+    assert gemm_kernel(model) == 'onednn' and len(timed) == 28  # a prompt's rows: its own
     timed.clear()
-    decoding._MEASURED.clear(); ratio = 0.95                # within 10 %: BLAS stays
+    decoding._MEASURED.clear(); ratio = 0.97                # within 5 %: BLAS stays
     assert gemv_kernel(model) == 'blas'
     threads = torch.get_num_threads()
     try:                                                        # another thread count:
@@ -141,7 +141,7 @@ def test_gemv_kernel_measures_once_and_keeps_a_clear_win_only(monkeypatch):
     finally: torch.set_num_threads(threads)
     before, ratio = len(timed), 2.0                             # a model of other widths:
     wider = Llama(vocab_size=64, context_length=64, d_model=48, num_heads=4, num_layers=1)
-    assert gemv_kernel(wider) == 'blas' and len(timed) == before + 6  # its own measurement
+    assert gemv_kernel(wider) == 'blas' and len(timed) == before + 14  # its own measurement
     assert gemv_kernel(model) == 'blas'                         # (kept from above)
 
 
@@ -158,6 +158,18 @@ def test_an_entry_finds_the_linears_once_and_the_kernels_answer_alike_inside(mon
     with faster_products(model):
         assert len(walks) == 1                                  # one walk for both choices
         assert (gemv_kernel(model), gemm_kernel(model)) == outside  # the routed linears count too
+
+
+def test_a_few_disturbed_passes_do_not_decide_the_kernel(monkeypatch):
+    """oneDNN at 0.87 of BLAS's time, three of its seven passes slowed by a neighbour: each kernel's best pass keeps
+    oneDNN (0.87 / 0.95 < 0.95), where the best of three passes each against 0.9 (the rule before) chose BLAS."""
+    monkeypatch.setattr(decoding, '_MEASURED', {})
+    blas = [1.0, 1.0, 0.95, 1.0, 1.0, 1.0, 1.0]
+    onednn = [0.87, 1.3, 0.87, 0.87, 1.4, 0.87, 1.2]
+    passes = iter(t for pair in zip(blas, onednn) for t in pair)             # alternated, seven each
+    monkeypatch.setattr(decoding, '_timed', lambda kernel, weights, xs: next(passes))
+    assert gemv_kernel(_llama()) == 'onednn'                                  # 0.87 / 0.95 = 0.92 < 0.95
+    assert min(onednn[:3]) / min(blas[:3]) > 0.9                              # the old rule's answer: BLAS
 
 
 @pytest.mark.parametrize('broken', ['raises', 'wrong'])

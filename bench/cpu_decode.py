@@ -37,7 +37,7 @@ llama.cpp's is. Recorded:
 - `large`: a 1 B Llama shape (Llama 3.2 1B's sizes, 4.9 GB in float32) at 1 and 2 threads, 16 new tokens.
 Printed and written; nothing is asserted.
 """
-import argparse, collections, datetime, json, os, platform, shlex, statistics, subprocess, sys, tempfile, time
+import argparse, collections, contextlib, datetime, json, os, platform, shlex, statistics, subprocess, sys, tempfile, time
 from pathlib import Path
 
 import numpy as np
@@ -167,20 +167,25 @@ def llamacpp_rate(python, path, threads, prompt=PROMPT) -> float:
     return json.loads(got.stdout.strip().splitlines()[-1])['tok_s']
 
 
+def timed_and_profiled(step, warm: int, n: int) -> tuple:
+    "Seconds of one step(next_ids) and the greedy choice, plain and under torch's profiler (mean of n, after warm)."
+    from torch.profiler import ProfilerActivity, profile
+    nxt, seconds = torch.tensor([[5]]), []
+    for _ in range(warm): step(nxt)[:, -1].argmax(-1)
+    for profiled in (False, True):
+        with profile(activities=[ProfilerActivity.CPU]) if profiled else contextlib.nullcontext() as prof:
+            start = time.perf_counter()
+            for _ in range(n): step(nxt)[:, -1].argmax(-1)
+            seconds.append((time.perf_counter() - start) / n)
+    return seconds[0], seconds[1], prof
+
+
 def profile_step(model, kernel=None) -> dict:
     "One decode step as `generate` runs it (stacked products, `faster_products`), by kind; `kernel` 'blas': BLAS's."
-    from torch.profiler import ProfilerActivity, profile
     ids, caches, n = torch.randint(3, model.vocab_size, (1, PROMPT)), model.new_caches(), 20
     with torch.no_grad(), decoding.stacked(model), decoding.faster_products(model, kernel):
-        model(ids, caches); nxt = torch.tensor([[5]])
-        for _ in range(5): model(nxt, caches)[:, -1].argmax(-1)
-        start = time.perf_counter()
-        for _ in range(n): model(nxt, caches)[:, -1].argmax(-1)
-        plain = (time.perf_counter() - start) / n
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            start = time.perf_counter()
-            for _ in range(n): model(nxt, caches)[:, -1].argmax(-1)
-            profiled = (time.perf_counter() - start) / n
+        model(ids, caches)
+        plain, profiled, prof = timed_and_profiled(lambda nxt: model(nxt, caches), 5, n)
     kinds, ops, calls = collections.Counter(), 0.0, 0
     for e in prof.key_averages():
         if not e.key.startswith(('aten::', 'mkldnn::')): continue
@@ -201,19 +206,11 @@ COMPILED_KINDS = [('the graph: weight products, norms, RoPE, element-wise (fused
 
 def profile_compiled_step(model) -> dict:
     "One decode step as `generate(compile=True)` runs it (static caches, the step compiled once), by kind."
-    from torch.profiler import ProfilerActivity, profile
     ids, n = torch.randint(3, model.vocab_size, (1, PROMPT)), 20
     with torch.no_grad(), decoding.stacked(model), decoding.faster_products(model, compiled=True):
         caches, step = model.new_caches(PROMPT + 8 + 2 * n), decoding._decode_step(model, True)
-        model(ids, caches); nxt = torch.tensor([[5]])
-        for _ in range(8): step(nxt, caches)[:, -1].argmax(-1)  # compiled here (or found compiled)
-        start = time.perf_counter()
-        for _ in range(n): step(nxt, caches)[:, -1].argmax(-1)
-        plain = (time.perf_counter() - start) / n
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            start = time.perf_counter()
-            for _ in range(n): step(nxt, caches)[:, -1].argmax(-1)
-            profiled = (time.perf_counter() - start) / n
+        model(ids, caches)  # the warm-up compiles the step (or finds it compiled)
+        plain, profiled, prof = timed_and_profiled(lambda nxt: step(nxt, caches), 8, n)
     kinds, seen = collections.Counter(), 0.0
     for e in prof.key_averages():
         kind = next((k for k, keys in COMPILED_KINDS if any(s in e.key for s in keys)),

@@ -145,3 +145,5 @@ def test_rope_has_one_home_and_its_old_paths_still_import():
         assert getattr(llama_attention, name) is getattr(rope, name), name
     for name in ['check_yarn', 'yarn_frequencies', 'yarn_mscale', 'rope_frequencies']:
         assert getattr(models, name) is getattr(rope, name), name
+    public = [n for n in names if not n.startswith('_')]
+    assert set(public) <= set(rope.__all__) and not set(public) & set(llama_attention.__all__)  # one home

@@ -12,6 +12,8 @@ import inspect
 import math
 import numbers
 import sys
+import textwrap
+import threading
 
 import torch
 from torch import Tensor, nn
@@ -187,23 +189,25 @@ def patch(f):
                         f"...); got {given}")
     f.__qualname__ = f"{cls.__name__}.{f.__name__}"
     before = cls.__dict__.get(f.__name__)
-    f.replaced = (before.visible() if isinstance(before, _NotebookMethod)
-                  else before)  # an earlier version, kept for tests
-    shared = f.__module__ == "__main__" and cls.__module__ != "__main__"
-    setattr(cls, f.__name__, _NotebookMethod(f, before) if shared else f)
+    if before is not None and _same_code(before, f):
+        return before  # a notebook running the cell the package was written from
+    if before is not None and f.__module__ != "__main__":  # (a notebook may edit)
+        raise TypeError(f"patch adds names: {cls.__name__}.{f.__name__} exists "
+                        f"(from {getattr(before, '__module__', '?')}); give the "
+                        f"method of {f.__module__} a name of its own")
+    setattr(cls, f.__name__, f)
     return f
 
-class _NotebookMethod:
-    "A notebook's method on a package class: only the notebook that ran it sees it."
-    def __init__(self, f, before): self.f, self.before = f, before
-    def visible(self): # the notebook running now sees f; any other, what was before
-        return self.f if sys.modules["__main__"].__dict__ is self.f.__globals__ else (
-            self.before.visible() if isinstance(self.before, _NotebookMethod)
-            else self.before)
-    def __get__(self, obj, owner=None):
-        f = self.visible()
-        if f is None: raise AttributeError(self.f.__name__)
-        return f.__get__(obj, owner) if hasattr(f, "__get__") else f
+def _same_code(a, b) -> bool:
+    "Whether functions `a` and `b` were written from the same source text."
+    try: # not their bytecode: Python compiles `torch.f()` by where torch was imported
+        text = lambda f: textwrap.dedent(inspect.getsource(f))
+        return callable(a) and callable(b) and text(a) == text(b)
+    except (OSError, TypeError): return False  # no source to read: not the same
+
+class _Switches(threading.local):
+    "Each thread's `with` switches; a later page names its own, with its default."
+_switches = _Switches()  # one object in a process: a notebook imports it, never copies
 
 _last_main = [None]  # the `__main__` that torch.compile may have met last
 

@@ -18,15 +18,14 @@ import math
 import threading
 import warnings
 import contextlib
-import contextvars
 from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .core import (_forget_old_main, _limit_name, check_count,
-                                 check_size, check_token_ids, patch)
+from .core import (_Switches, _forget_old_main, _limit_name, _switches,
+                                 check_count, check_size, check_token_ids, patch)
 from .causal import check_context
 from .multihead import MultiHeadAttention, _check_scale, _runs_in_rows
 
@@ -225,8 +224,8 @@ RUNS_MIN_TOKENS, RUNS_MAX = 1024, 256  # a CPU attends run by run: from, at most
 RUN_WORTH = 2 ** 14  # and at most n² / RUN_WORTH runs of n tokens: a call must pay
 BLOCK_MIN_PAIRS = 2048 ** 2  # a score function without Flex: tiled from T x S pairs
 KERNELS = ('sdpa', 'varlen', 'flex', 'flex_eager', 'dense', 'block', 'explicit')
-class _Modes(threading.local): mode, kernel = 'auto', None  # till a thread sets its own
-_modes = _Modes()  # each thread's flex_mode and attention_kernel
+_Switches.flex_mode, _Switches.kernel = 'auto', None  # till a thread sets its own
+_Switches.masks = None  # shared_masks' scope (below): a dict of masks, or None
 _flex = {'compiled': None, 'block_masks': collections.OrderedDict(),
          'last': (None, (), None, None),  # the last per-batch block mask
          'lock': threading.Lock()}
@@ -239,9 +238,9 @@ def flex_mode(
     "Within the `with` block, in this thread, choose how the fused path uses Flex."
     if mode not in FLEX_MODES:
         raise ValueError(f"mode must be one of {FLEX_MODES}; got {mode!r}")
-    before, _modes.mode = _modes.mode, mode  # this thread's: the others keep theirs
+    before, _switches.flex_mode = _switches.flex_mode, mode  # this thread's only
     try: yield
-    finally: _modes.mode = before
+    finally: _switches.flex_mode = before
 
 @contextlib.contextmanager
 def attention_kernel(
@@ -250,9 +249,9 @@ def attention_kernel(
     "In the `with` block, in this thread, the fused path takes `kernel` or refuses."
     if kernel is not None and kernel not in KERNELS:
         raise ValueError(f"kernel must be None or one of {KERNELS}; got {kernel!r}")
-    before, _modes.kernel = _modes.kernel, kernel
+    before, _switches.kernel = _switches.kernel, kernel
     try: yield
-    finally: _modes.kernel = before
+    finally: _switches.kernel = before
 
 # %% ../nbs/10_masks.ipynb #m19c0033
 def pick_kernel(
@@ -270,7 +269,7 @@ def pick_kernel(
     runs_only = runs_only and not scored  # a run's kernel takes no score function
     if (device_type == 'cuda' and runs_only and half and not dropout
             and importlib.util.find_spec('torch.nn.attention.varlen')): return 'varlen'
-    mode = _modes.mode  # this thread's
+    mode = _switches.flex_mode  # this thread's
     flex_asked = mode in ('compiled', 'eager') and not needs_grad  # no CPU backward
     if (device_type == 'cpu' and runs_only and not dropout and num_tokens == num_keys
             and num_tokens >= RUNS_MIN_TOKENS and not flex_asked):
@@ -512,15 +511,14 @@ def _in_runs(
 # %% ../nbs/10_masks.ipynb #ca0f4f0f
 # the masks a model's blocks share, {key: a mask_mod's dense mask, SDPA's form of
 # it, ...}: the dict a model hands its blocks each forward (`_forward_masks`), else
-# the scope of `shared_masks` (below); with neither, every call builds its own (a
-# mask_mod may read a tensor that changes between calls, never during one)
-_FORWARD_MASKS = contextvars.ContextVar('forward_masks', default=None)
-
+# the scope of `shared_masks` (below, `_switches.masks`); with neither, every call
+# builds its own (a mask_mod may read a tensor that changes between calls, not
+# during one)
 def _kept(masks:dict|None, # the forward's (None: shared_masks' scope, if any)
           key:tuple, make:Callable, *args): # what make(*args) returns
     "`make(*args)` once a model's forward, kept in its dict for the other blocks."
     if torch.compiler.is_compiling(): return make(*args)  # a graph keeps nothing
-    if masks is None: masks = _FORWARD_MASKS.get()
+    if masks is None: masks = _switches.masks
     if masks is None: return make(*args)  # no forward, no scope: each call its own
     if key not in masks: masks[key] = make(*args)
     return masks[key]
@@ -737,7 +735,7 @@ def _attend_flex(self:MultiHeadAttention, queries, keys, values, key_padding_mas
             ('window', self.causal, self.window) if plain else
             ('batch', self.causal, self.window))
     reads = () if plain else (key_padding_mask, document_ids)
-    forward = _FORWARD_MASKS.get() if masks is None else masks  # its blocks share
+    forward = _switches.masks if masks is None else masks  # its blocks share
     if (mask_mod is not None and plain and forward is not None  # your mask, by a
             and not torch.compiler.is_compiling()):  # token made once a forward
         token = _kept(forward, ('token',), _share_across_blocks, torch.zeros(()))
@@ -763,7 +761,7 @@ def _attend_unfused(self:MultiHeadAttention, queries, keys, values, # (b, h|kv, 
         return UNFUSED_KERNELS[kernel](self, queries, keys, values, key_padding_mask,
                                        document_ids, mask_mod, score_mod)
     (b, _, T, _), S = queries.shape, keys.shape[2]
-    if T * S >= BLOCK_MIN_PAIRS and not _modes.kernel:
+    if T * S >= BLOCK_MIN_PAIRS and not _switches.kernel:
         _say_once(('explicit', 'dropout'), f"attention took the 'explicit' path: a "
                   f"score function with dropout goes to no fused kernel, so the scores "
                   f"of {T} x {S} pairs per head are held in memory")
@@ -786,7 +784,7 @@ def _attend_masked(self:MultiHeadAttention,
                    _forward_masks:dict|None=None, # a model's forward: masks it shares
                   ) -> Tensor: # context, (b, num_heads, num_tokens, head_dim)
     "The fused path on a whole sequence: one choice of kernel, for mask and scores."
-    T, forced = queries.shape[2], _modes.kernel  # this thread's
+    T, forced = queries.shape[2], _switches.kernel  # this thread's
     own = self._score_mod() is not None           # the module's own: reads the score
     scored = own or score_mod is not None
     padded = key_padding_mask is not None or document_ids is not None
@@ -944,9 +942,9 @@ MultiHeadAttention._model_parts['documents'] = _documents_call_part  # TinyGPT's
 @contextlib.contextmanager
 def shared_masks():
     "A scope in which attention calls of the same mask and sizes share its dense form."
-    token = _FORWARD_MASKS.set({})  # a new scope: the masks kept, and Flex's token
+    before, _switches.masks = _switches.masks, {}  # the masks kept, and Flex's token
     try: yield
-    finally: _FORWARD_MASKS.reset(token)  # the scope around it, if any, again
+    finally: _switches.masks = before  # the scope around it, if any, again
 
 # %% ../nbs/10_masks.ipynb #2af85862
 def _check_lead(t, lead:tuple, name:str) -> None:

@@ -417,17 +417,17 @@ def test_flex_mode_belongs_to_its_thread():
     seen, a_in, b_in, a_out = {}, threading.Event(), threading.Event(), threading.Event()
     def a():
         with flex_mode('eager'):
-            a_in.set(); b_in.wait(); seen['a'] = masks._modes.mode
+            a_in.set(); b_in.wait(); seen['a'] = masks._switches.flex_mode
         a_out.set()
     def b():
         a_in.wait()
         with flex_mode('compiled'):
-            b_in.set(); a_out.wait(); seen['b'] = masks._modes.mode
-        seen['b after'] = masks._modes.mode
+            b_in.set(); a_out.wait(); seen['b'] = masks._switches.flex_mode
+        seen['b after'] = masks._switches.flex_mode
     threads = [threading.Thread(target=f) for f in (a, b)]
     for t in threads: t.start()
     for t in threads: t.join(10)
-    assert seen == {'a': 'eager', 'b': 'compiled', 'b after': 'auto'} and masks._modes.mode == 'auto'
+    assert seen == {'a': 'eager', 'b': 'compiled', 'b after': 'auto'} and masks._switches.flex_mode == 'auto'
 
 
 def test_block_masks_kept_are_bounded(monkeypatch):

@@ -1,38 +1,58 @@
-"""nbdev_test runs several notebooks in one process: a method that one notebook adds to a package class must not
-be what the next notebook runs."""
-import os, subprocess, sys, textwrap
+"""nbdev_test runs several notebooks in one process. A notebook runs again the cells the package was written from:
+its `@patch` cells must leave the package's methods in place, and torch.compile must not look a second notebook's
+names up in the first notebook's `__main__`."""
+import inspect, linecache, os, subprocess, sys, textwrap
 
 import pytest
 
-pytestmark = pytest.mark.heavy  # fresh processes that compile: make test and CI run it, make test-quick skips it
+from selfattn_nbdev.core import patch
+from selfattn_nbdev import masks
+from selfattn_nbdev.masks import _attend_masked
+from selfattn_nbdev.multihead import MultiHeadAttention
 
 
-def test_a_notebooks_method_stays_in_that_notebook():
-    script = textwrap.dedent('''
-        from execnb.shell import CaptureShell
-        from selfattn_nbdev.multihead import MultiHeadAttention
-        package = MultiHeadAttention(4, 4, 4).extra_repr()
-        first = CaptureShell()
-        first.run("from selfattn_nbdev.core import patch\\n"
-                  "from selfattn_nbdev.multihead import MultiHeadAttention\\n"
-                  "@patch\\n"
-                  "def extra_repr(self:MultiHeadAttention): return 'first notebook'\\n"
-                  "@patch\\n"
-                  "def norms(self:MultiHeadAttention): return 'new method'\\n"
-                  "seen = MultiHeadAttention(4, 4, 4).extra_repr()\\n"
-                  "replaced = MultiHeadAttention.extra_repr.replaced(MultiHeadAttention(4, 4, 4))")
-        assert first.user_ns['seen'] == 'first notebook', first.user_ns.get('seen')
-        assert first.user_ns['replaced'] == package
-        second = CaptureShell()
-        second.run("from selfattn_nbdev.multihead import MultiHeadAttention\\n"
-                   "seen = MultiHeadAttention(4, 4, 4).extra_repr()\\n"
-                   "has_new = hasattr(MultiHeadAttention, 'norms')")
-        assert second.user_ns['seen'] == package, second.user_ns['seen']
-        assert second.user_ns['has_new'] is False
-        print('isolated')
-    ''')
-    out = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0 and 'isolated' in out.stdout, out.stdout + out.stderr
+def _run_as(module_name: str, code: str, names: dict | None = None) -> dict:
+    "Run `code` as the module `module_name` would (a notebook is `__main__`), after `names`; its names."
+    names = {**(names or {}), '__name__': module_name, 'patch': patch, 'MultiHeadAttention': MultiHeadAttention}
+    filename = f"<{module_name}>"  # its source readable, as IPython makes a cell's
+    linecache.cache[filename] = (len(code), None, code.splitlines(keepends=True), filename)
+    exec(compile(code, filename, "exec"), names)
+    return names
+
+
+def test_a_notebook_running_the_package_cell_keeps_the_package_method():
+    "The cell masks.py was written from, run again as a notebook runs it: the class keeps the package's method."
+    cell = textwrap.dedent(inspect.getsource(_attend_masked))
+    imported = {k: v for k, v in vars(masks).items() if not k.startswith('__')}  # what its import cell gave
+    names = _run_as('__main__', cell, imported)
+    assert MultiHeadAttention._attend_masked is _attend_masked     # the package's, with the package's globals
+    assert names['_attend_masked'] is _attend_masked               # and the notebook's name is it too
+
+
+def test_a_package_module_cannot_replace_a_method():
+    "Add, never replace: a second definition of a name, from a module of the package, is refused by name."
+    with pytest.raises(TypeError, match=r"patch adds names: MultiHeadAttention._attend_masked exists \(from "
+                                        r"selfattn_nbdev.masks\); give the method of selfattn_nbdev.later"):
+        _run_as('selfattn_nbdev.later', '@patch\ndef _attend_masked(self:MultiHeadAttention): return 0\n')
+    assert MultiHeadAttention._attend_masked is _attend_masked
+
+
+def test_a_notebook_being_edited_may_replace_a_method():
+    "While you edit a page, its new version of a method is the one that runs (the package's comes back on export)."
+    try:
+        _run_as('__main__', '@patch\ndef _attend_masked(self:MultiHeadAttention): return "edited"\n')
+        assert MultiHeadAttention(4, 4, 4)._attend_masked() == 'edited'
+    finally: MultiHeadAttention._attend_masked = _attend_masked
+    assert MultiHeadAttention._attend_masked is _attend_masked
+
+
+def test_a_new_name_is_added():
+    try:
+        names = _run_as('__main__', '@patch\ndef norms_of_heads(self:MultiHeadAttention): return 3\n')
+        assert MultiHeadAttention(4, 4, 4).norms_of_heads() == 3
+        assert MultiHeadAttention.norms_of_heads.__qualname__ == 'MultiHeadAttention.norms_of_heads'
+        assert names['norms_of_heads'] is MultiHeadAttention.norms_of_heads
+    finally: del MultiHeadAttention.norms_of_heads
 
 
 # a notebook that compiles FlexAttention itself, not through the package
@@ -49,6 +69,7 @@ SECOND = ("import torch, numbers\nfrom selfattn_nbdev.masks import flex_attend\n
           "out = flex_attend(q, q, q, causal, compiled={compiled}, score_mod=capped)\nok = True")
 
 
+@pytest.mark.heavy  # a fresh process that compiles: make test and CI run it, make test-quick skips it
 def test_compiled_flex_in_a_second_notebook():
     "torch.compile caches the first `__main__` it imports: a second notebook's score function must still compile."
     first = ("import torch\nfrom selfattn_nbdev.masks import flex_attend\n"
@@ -58,6 +79,7 @@ def test_compiled_flex_in_a_second_notebook():
     _in_one_process(ELSEWHERE, second, first, second)
 
 
+@pytest.mark.heavy
 def test_eager_flex_after_a_notebook_compiled_flex():
     """flex_attention compiles itself even when the package does not ask it to: a score function of the second
     notebook that reads one of its modules must not be looked up in the first notebook's `__main__`."""
@@ -76,3 +98,20 @@ def _in_one_process(*notebooks):
     out = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, timeout=600,
                          env={**os.environ, 'OMP_NUM_THREADS': '1'})
     assert out.returncode == 0 and 'all ran' in out.stdout, out.stdout + out.stderr[-3000:]
+
+
+def test_a_notebooks_switch_steers_the_package_methods():
+    """A notebook defines its own `attention_kernel` (the cell runs again), while the class keeps the package's
+    methods: the switch they share lives in an earlier module (core's `_switches`), so the notebook's copy steers them."""
+    import torch
+    imported = {k: v for k, v in vars(masks).items() if not k.startswith('__')}
+    source = inspect.getsource(masks)  # the cell of the switches, as the notebook runs it: its state too
+    cell = source[source.index('FLEX_MODES = '):source.index('def pick_kernel(')]
+    names = _run_as('__main__', cell, imported)
+    mine = names['attention_kernel']
+    assert mine is not masks.attention_kernel                      # the notebook's own copy
+    lm, x = MultiHeadAttention(8, 8, 8, num_heads=2), torch.randn(1, 4, 8)
+    with mine('dense'), pytest.raises(Exception, match='no score function'):
+        lm(x, score_mod=lambda score, b, h, q, kv: score)
+    with mine('explicit'), torch.no_grad():
+        assert masks._switches.kernel == 'explicit'

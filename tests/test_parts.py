@@ -243,7 +243,7 @@ def test_a_models_forward_builds_a_mask_mods_dense_mask_once(monkeypatch):
     built = _dense_masks_built(monkeypatch)
     with torch.no_grad(): shared = model(ids, mask_mod=window)   # the model's first forward
     assert built == [(24, 24)], built
-    assert masks._FORWARD_MASKS.get() is None and not model._forward_hooks
+    assert masks._switches.masks is None and not model._forward_hooks
     monkeypatch.delitem(MultiHeadAttention._model_parts, 'forward_masks')  # every block its own
     built.clear()
     with torch.no_grad(): alone = model(ids, mask_mod=window)
@@ -355,7 +355,7 @@ def test_nothing_is_kept_from_one_forward_to_the_next():
     assert not torch.allclose(first, second) and torch.allclose(second, causal_only, atol=1e-5)
     with pytest.raises(ValueError), torch.no_grad():
         model(torch.randint(0, 64, (1, 80)), mask_mod=near)  # longer than the context: refused
-    assert masks._FORWARD_MASKS.get() is None and not model._forward_hooks  # no scope, no hook
+    assert masks._switches.masks is None and not model._forward_hooks  # no scope, no hook
 
 
 def test_a_models_forward_builds_a_mask_mods_block_mask_once(monkeypatch):
@@ -384,7 +384,7 @@ def test_shared_masks_for_a_model_of_your_own(monkeypatch):
     built = _dense_masks_built(monkeypatch)
     with torch.no_grad():
         with masks.shared_masks(): inside = run()
-        assert len(built) == 1 and masks._FORWARD_MASKS.get() is None
+        assert len(built) == 1 and masks._switches.masks is None
         outside = run()
     assert len(built) == 5 and torch.equal(inside, outside)
 
@@ -418,14 +418,14 @@ def test_a_models_forward_inside_shared_masks_leaves_the_outer_scope_open(monkey
     model, ids, window = _llama(2), torch.randint(0, 64, (1, 12)), sliding_window(3)
     layer, x = MultiHeadAttention(16, 16, 32, num_heads=4).eval(), torch.randn(2, 12, 16)  # batch 2: a new mask
     with torch.no_grad(), masks.shared_masks():
-        outer = masks._FORWARD_MASKS.get()
+        outer = masks._switches.masks
         for _ in range(2):
             model(ids, mask_mod=window)
-            assert masks._FORWARD_MASKS.get() is outer and outer == {}  # the model's own, not the scope's
+            assert masks._switches.masks is outer and outer == {}  # the model's own, not the scope's
         built = _dense_masks_built(monkeypatch)
         layer(x, mask_mod=window); layer(x, mask_mod=window)
         assert len(built) == 1
-    assert masks._FORWARD_MASKS.get() is None
+    assert masks._switches.masks is None
 
 
 def test_moved_families_still_import_from_their_old_home():
@@ -521,7 +521,7 @@ def test_what_a_forward_hands_its_blocks_to_share_their_masks():
     assert plain is None and prefill is None and step is None, seen
     assert len(modded) == 2 and len(first) == 1  # the mod's dense mask and SDPA's form of it; the window's
     assert first is not second and len(second) == 1  # made again the next forward: nothing kept between calls
-    assert masks._FORWARD_MASKS.get() is None
+    assert masks._switches.masks is None
 
 
 def test_deepseeks_blocks_share_a_mask_mods_dense_mask(monkeypatch):

@@ -170,7 +170,7 @@ def process_state() -> dict:
                 if isinstance(value, type) and value.__module__ == name:   # a class of this module: its methods
                     for k, v in list(vars(value).items()):
                         if not k.startswith('__') or k in ('__init__', '__call__'):
-                            state[f'{name}.{attr}.{k}'] = v.visible() if hasattr(v, 'visible') else v
+                            state[f'{name}.{attr}.{k}'] = v
     finally: sys.modules['__main__'] = main
     return state
 

@@ -17,6 +17,15 @@ def package_lines() -> int:
     return sum(len(p.read_text().splitlines()) for p in PACKAGE.glob('*.py') if p.name != '_modidx.py')
 
 
+ISOLATION = ('class _NotebookMethod', 'def _forget_old_main')  # what notebooks sharing a process once needed
+
+
+def isolation_machinery() -> list:
+    "The pieces of notebook-isolation machinery the package still defines."
+    text = '\n'.join(p.read_text() for p in PACKAGE.glob('*.py') if p.name != '_modidx.py')
+    return [name.split()[1] for name in ISOLATION if name in text]
+
+
 def cross_module_patches() -> tuple:
     "(@patch or @replaces definitions, those on a class that another module defines)."
     classes, patches = {}, []
@@ -99,8 +108,10 @@ def traced_forward() -> dict:
         with torch.no_grad(): model(ids, mask_mod=mask_mod)
     finally: sys.setprofile(None)
     modules = [m for m, _ in calls]
+    frames = ('<listcomp>', '<setcomp>', '<dictcomp>', '<genexpr>')  # Python 3.11 gives each a frame; 3.12 inlines
     switches = sum(1 for a, b in zip(modules, modules[1:]) if a != b)
-    return dict(calls=len(calls), modules=len(set(modules)), switches=switches,
+    return dict(calls=len(calls), function_calls=sum(f not in frames for _, f in calls),
+                modules=len(set(modules)), switches=switches,
                 by_module=dict(collections.Counter(modules)), sequence=[f'{m}.{f}' for m, f in calls])
 
 
@@ -113,13 +124,15 @@ def main():
     result = dict(date=datetime.date.today().isoformat(), command='python bench/structure.py --out bench/structure.json',
                   package_lines=package_lines(), superseded_versions=superseded(), patches=patches,
                   patches_into_another_module=cross, story_guards=story_guards(),
-                  layout=module_imports(), forward_trace=trace)
+                  isolation_machinery=isolation_machinery(), layout=module_imports(), forward_trace=trace)
     rows = [('package lines (without _modidx.py)', result['package_lines']),
             ('superseded versions', result['superseded_versions']),
             ('@patch / @replaces definitions', patches), ('  into another module\'s class', cross),
             ('1-layer Llama, mask_mod: package calls', trace['calls']),
+            ('  of them functions (not comprehensions)', trace['function_calls']),
             ('  modules', trace['modules']), ('  module switches', trace['switches']),
-            ('guard lines shown on the story pages', result['story_guards']['total'])]
+            ('guard lines shown on the story pages', result['story_guards']['total']),
+            ('notebook-isolation machinery', ', '.join(result['isolation_machinery']) or 'none')]
     for name, value in rows: print(f'{name:42} {value}')
     if args.out:
         out = Path(args.out)  # the figures before the change, kept when the file has them

@@ -70,20 +70,16 @@ SECOND = ("import torch, numbers\nfrom selfattn_nbdev.masks import flex_attend\n
 
 
 @pytest.mark.heavy  # a fresh process that compiles: make test and CI run it, make test-quick skips it
-def test_compiled_flex_in_a_second_notebook():
-    "torch.compile caches the first `__main__` it imports: a second notebook's score function must still compile."
+def test_flex_in_a_second_notebook():
+    """torch.compile caches the first `__main__` it imports. A later notebook's score function that reads one of its
+    modules must still compile: after a notebook that compiled Flex itself, eagerly (flex_attention compiles itself
+    even when the package does not ask it to) and compiled, and again after a notebook that compiled through the
+    package. One process for all four, as nbdev_test runs them."""
     first = ("import torch\nfrom selfattn_nbdev.masks import flex_attend\n"
              "def causal(b, h, q_idx, kv_idx): return torch.ge(q_idx, kv_idx)\n"
              "q = torch.randn(1, 2, 128, 16)\nout = flex_attend(q, q, q, causal, compiled=True)\nok = True")
-    second = SECOND.format(compiled=True)
-    _in_one_process(ELSEWHERE, second, first, second)
-
-
-@pytest.mark.heavy
-def test_eager_flex_after_a_notebook_compiled_flex():
-    """flex_attention compiles itself even when the package does not ask it to: a score function of the second
-    notebook that reads one of its modules must not be looked up in the first notebook's `__main__`."""
-    _in_one_process(ELSEWHERE, SECOND.format(compiled=False))
+    _in_one_process(ELSEWHERE, SECOND.format(compiled=False), SECOND.format(compiled=True), first,
+                    SECOND.format(compiled=True))
 
 
 def _in_one_process(*notebooks):

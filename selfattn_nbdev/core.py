@@ -179,7 +179,7 @@ ARGUMENT_RULES.update(
 
 # %% ../nbs/00_core.ipynb #b620a58d
 def patch(f):
-    "Make `f` a method of the class its first argument is annotated with."
+    "Add `f` to the class its first argument is annotated with; a module replaces none."
     first = next(iter(inspect.signature(f).parameters.values()), None)
     cls = getattr(first, 'annotation', inspect.Parameter.empty)
     if cls is inspect.Parameter.empty or not isinstance(cls, type):

@@ -45,7 +45,7 @@ test-quick: $(INSTALLED) ## the edit loop: make test without coverage, `#| slow`
 # nbdev's own command, as a contributor types it: every notebook, several to a process, nbdev's worker count. Each
 # worker runs torch on one thread: nbdev starts as many workers as there are cores, and two of torch's threads to a
 # worker make them wait on each other (a notebook took 134 s that way instead of 14 s on a busy 2-core machine).
-test-nbdev: $(INSTALLED) ## nbdev_test over every notebook (skips `#| slow` cells), timed; CI leaves it to make test
+test-nbdev: $(INSTALLED) ## nbdev_test over every notebook (skips `#| slow` cells), several to a process, timed; CI runs it
 	OMP_NUM_THREADS=1 $(BIN)/nbdev_test --timing
 
 test-site: $(INSTALLED) ## build the site, serve it on 127.0.0.1 and walk every page in headless Chromium

@@ -8,8 +8,8 @@ Clones the repository's HEAD (or --rev) into a temporary folder with `../shared`
 one, and `make test-site`. For each it records the wall-clock seconds, the CPU seconds of its child processes and,
 for the pytest steps, pytest's own count and seconds, the coverage and the seconds of each notebook and test file
 (pytest's --durations, setup, call and teardown summed; with two workers they overlap); for `make test-nbdev`, the
-seconds of each notebook (`nbdev_test --timing`). `make test-nbdev`, nbdev's own command, and `make test-quick`, the
-edit loop (warm, after `make test`), are timed too but are not CI's steps (`in_ci: false`, left out of the total). The Measurements page reads the JSON.
+seconds of each notebook (`nbdev_test --timing`). `make test-quick`, the edit loop (warm, after `make test`), is timed
+too but is not a CI step (`in_ci: false`, left out of the total). The Measurements page reads the JSON.
 """
 import argparse, datetime, json, os, platform, re, resource, shlex, subprocess, sys, tempfile, time
 from pathlib import Path
@@ -84,8 +84,7 @@ def main():
                                    capture_output=True, text=True).stdout.strip()
     result['torch'] = torch_version
     result['load_average_at_end'] = os.getloadavg()[0]
-    for name in ('test-nbdev', 'test-quick'):   # a contributor's commands: make test runs the notebooks in CI
-        result['steps'][name]['in_ci'] = False
+    result['steps']['test-quick']['in_ci'] = False   # a contributor's loop, not CI's
     result['total_seconds'] = round(sum(s['seconds'] for s in result['steps'].values() if s.get('in_ci', True)), 1)
     Path(a.out).write_text(json.dumps(result, indent=1) + '\n')
     print(f"wrote {a.out}; total {result['total_seconds']} s; logs in {log} (commit {commit[:12]})")

@@ -186,3 +186,19 @@ def test_small(c): pass
     assert {a for a, _ in ran} == set('01234') and {b for _, b in ran} == set('xyz')  # every value once
     assert len(ran) == 7                     # (0..4, x), then (0, y) and (0, z): 7 of 15 cases
     quick.assert_outcomes(passed=10, deselected=8)                 # and the small grid whole
+
+
+def test_the_walk_lets_through_only_hosts_that_answer(tmp_path):
+    "The site walk aborts a request to a host no connection reaches (at once, not after Chromium's 5 s), once a host."
+    import socket
+    from tools.walk_site import reachable, serve
+    server, base = serve(tmp_path)
+    try:
+        closed = socket.socket(); closed.bind(('127.0.0.1', 0)); port = closed.getsockname()[1]; closed.close()
+        seen = {}
+        assert reachable(base + 'page.html', seen) is True                 # the site's own server answers
+        assert reachable(f'http://127.0.0.1:{port}/fonts.css', seen) is False  # nobody listens there
+        assert reachable('https://no-such-host.invalid/x.css', seen) is False   # no such name
+        assert seen == {('127.0.0.1', server.server_address[1]): True, ('127.0.0.1', port): False,
+                        ('no-such-host.invalid', 443): False}
+    finally: server.shutdown()

@@ -34,7 +34,7 @@ Then: every API entry of the module index (selfattn_nbdev/_modidx.py) resolves t
 and the site search finds "softmax" and "causal" with results linking to the pages that teach them.
 The last line is `site: N passed, M failed`; the exit code is 1 on any failure.
 """
-import argparse, http.server, importlib.util, json, os, re, socketserver, subprocess, sys, threading, time
+import argparse, http.server, importlib.util, json, os, re, socket, socketserver, subprocess, sys, threading, time
 from functools import partial
 from pathlib import Path
 from urllib.parse import unquote, urldefrag, urljoin, urlparse
@@ -75,6 +75,24 @@ def serve(site: Path):
     server = socketserver.ThreadingTCPServer(('127.0.0.1', 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server, f'http://127.0.0.1:{server.server_address[1]}/'
+
+
+def reachable(url: str, seen: dict, timeout: float = 2.0) -> bool:
+    "Whether the host of `url` answers a TCP connection (once per host, remembered in `seen`)."
+    where = urlparse(url)
+    host, port = where.hostname, where.port or (443 if where.scheme == 'https' else 80)
+    if (host, port) not in seen:
+        try: socket.create_connection((host, port), timeout=timeout).close(); seen[host, port] = True
+        except OSError: seen[host, port] = False
+    return seen[host, port]
+
+
+def other_hosts_fail_fast(ctx, base: str, seen: dict) -> None:
+    """A request to another host that no connection reaches fails at once, as it would anyway, rather than after
+    Chromium's own wait (5 s a page for the theme's web fonts, about half of a whole walk without a network);
+    where the host answers, the request goes through."""
+    ctx.route(re.compile('^(?!' + re.escape(base) + ')https?://'),
+              lambda route: route.continue_() if reachable(route.request.url, seen) else route.abort())
 
 
 def published_url() -> str:
@@ -441,13 +459,16 @@ def walk(site: Path, chromium: str, max_height: int = MAX_HEIGHT, only: list[str
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
         facts, external, table, worst, figure_text = {}, set(), {}, {'light': {}, 'dark': {}}, {}
+        hosts = {}  # (host, port): whether a connection reaches it
         pages = list(only) if only else ['index.html']
         for pass_name, width, scheme in PASSES:
             light, phone = scheme == 'light', width < 1280
             ctx = browser.new_context(viewport={'width': width, 'height': 900}, device_scale_factor=1, color_scheme=scheme)
             # Other hosts (a theme's web fonts, Quarto's MathJax) are allowed: where the network reaches them they
-            # load, and where it does not their failures are listed, never counted as the site's own errors.
+            # load, and where it does not they fail at once (other_hosts_fail_fast) and are listed, never counted as the
+            # site's own errors.
             ctx.on('requestfailed', lambda r: external.add(r.url) if not r.url.startswith(base) else None)
+            other_hosts_fail_fast(ctx, base, hosts)
             i = 0
             while i < len(pages):
                 name = pages[i]; i += 1
@@ -568,6 +589,7 @@ def walk(site: Path, chromium: str, max_height: int = MAX_HEIGHT, only: list[str
 
         # the site search, as a reader uses it
         ctx = browser.new_context(viewport={'width': 1280, 'height': 900})
+        other_hosts_fail_fast(ctx, base, hosts)
         page = ctx.new_page()
         page.goto(base + 'index.html', wait_until='networkidle')
         for query, expected in ({} if only else SEARCHES).items():

@@ -19,6 +19,11 @@ Parts (each written to the JSON as soon as it is measured, so a run cut short ke
 - `mla`: one `LatentAttention` decode step at DeepSeek-V3's per-head sizes (d_c 512, d_R 64, 16 heads of 128 + 64;
   d_model 1,024: bench/mla_decode.py's layer) over 1,024, 4,096 and 32,768 cached tokens, absorbed (through the
   latents) against rebuilding every cached key and value.
+- `paged`: a decode step of the Llama-1B shape cut to 4 blocks (d_model 2,048, 32 query and 8 key/value heads of
+  64), batch 8, every row at 1,024 and at 4,096 cached tokens, eager, as the serving Engine runs it: keys and
+  values in a `BlockPool` of 16-token blocks read through `PagedKVCache` (each row's blocks scattered through the
+  pool), against the contiguous `StaticKVCache` that `generate` uses; the logits of the two against each other,
+  and the bytes of keys and values a step reads per second.
 
 - `route`: transformers' `LlamaForCausalLM` (d_model 1,024, 4 blocks, 16 query and 4 key/value heads) at 4,096
   tokens with `attn_implementation="selfattn_nbdev"` (the mask as sdpa's tensor, the package's findings beside it)
@@ -177,6 +182,61 @@ def mla_one(device, dtype, S, result, save):
     save()
 
 
+def paged_part(device, dtype, lengths, result, save, batch=8, blocks=4, block_size=16, steps=12):
+    "A decode step on a paged cache against a contiguous one (see the top): same weights, same prompt."
+    import random
+    import transformers
+    from selfattn_nbdev.pretrained import from_hf
+    from selfattn_nbdev.serving import BlockPool, PagedKVCache, Sequence
+    small = device.type != 'cuda'
+    d, heads, kv_heads, ffn = (64, 4, 2, 128) if small else (2048, 32, 8, 8192)
+    cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=d, intermediate_size=ffn,
+                                   num_hidden_layers=blocks, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                                   max_position_embeddings=8192, bos_token_id=None, eos_token_id=None)
+    torch.manual_seed(0)
+    theirs = transformers.LlamaForCausalLM(cfg).eval()
+    model = from_hf(theirs.state_dict(), cfg.to_dict(), dtype=dtype, device=device); del theirs
+    rows = result.setdefault('paged', dict(model=f'Llama-1B width, {blocks} blocks', batch=batch,
+                                           block_size=block_size, rows={}))['rows']
+    for L in lengths:
+        r = rows[str(L)] = {}
+        try:
+            gen = torch.Generator().manual_seed(L)
+            prompt = torch.randint(0, 32000, (batch, L), generator=gen).to(device)
+            per_row = -(-(L + steps + 4) // block_size)
+            pool = BlockPool(batch * per_row + 8, block_size)
+            order = list(range(pool.num_blocks)); random.Random(0).shuffle(order)
+            pool.free.clear(); pool.free.extend(order)                  # each row's blocks scattered
+            seqs = [Sequence(prompt[i].cpu(), steps + 4, i) for i in range(batch)]
+            paged = [PagedKVCache(pool, i) for i in range(len(model.blocks))]
+            def paged_step(ids):                     # what Engine._forward does, after _grow
+                for s in seqs:
+                    more = -(-(s.length + ids.shape[1]) // block_size) - len(s.blocks)
+                    s.blocks += [pool.allocate() for _ in range(more)]
+                for c in paged: c.rows = seqs
+                out = model(ids, paged)
+                for s in seqs: s.length += ids.shape[1]
+                return out[:, -1]
+            static = model.new_caches(L + steps + 4)
+            static_step = lambda ids: model(ids, static)[:, -1]
+            with torch.no_grad():
+                ids = static_step(prompt).argmax(-1)[:, None]; paged_step(prompt)
+                one = {'paged': paged_step(ids).float(), 'contiguous': static_step(ids).float()}
+                big = one['contiguous'].abs().max()
+                r['logits_paged_vs_contiguous'] = ((one['paged'] - one['contiguous']).abs().max() / big).item()
+                for name, fn in (('paged', paged_step), ('contiguous', static_step)):
+                    r[name + '_step_ms'] = timed(lambda: fn(ids), device, reps=8, warm=1) * 1e3
+            r['paged / contiguous'] = r['paged_step_ms'] / r['contiguous_step_ms']
+            kv = 2 * blocks * batch * kv_heads * (d // heads) * (L + 8) * torch.finfo(dtype).bits // 8
+            r['kv_bytes_read'] = kv
+            for name in ('paged', 'contiguous'): r[name + '_kv_bytes_per_s'] = kv / r[name + '_step_ms'] * 1e3
+            print(f'paged {L}: {r}', flush=True)
+        except Exception as e:
+            r['error'] = f'{type(e).__name__}: {e}'[:500]; traceback.print_exc()
+        if device.type == 'cuda': torch.cuda.empty_cache()
+        save()
+
+
 def route_part(device, dtype, T, result, save):
     "transformers' Llama with attn_implementation='selfattn_nbdev' against 'sdpa': prefill, unpadded and padded."
     import transformers
@@ -231,6 +291,7 @@ def main():
     runs = {'linear': lambda: linear_part(device, dtype, 4096 if cuda else 256, result, save),
             'sinks': lambda: sinks_part(device, dtype, 4096 if cuda else 128, result, save),
             'mla': lambda: mla_part(device, dtype, (1024, 4096, 32768) if cuda else (128, 512), result, save),
+            'paged': lambda: paged_part(device, dtype, (1024, 4096) if cuda else (40, 100), result, save),
             'route': lambda: route_part(device, dtype, 4096 if cuda else 256, result, save)}
     run_parts(runs, a.part.split(','), result, save, out)
 

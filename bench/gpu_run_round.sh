@@ -6,10 +6,10 @@
 #     bandwidth limit, beside transformers' compiled static cache on the same weights;
 #   bench/gpu_packed.py --part documents: a layer on packed documents against varlen;
 #   bench/gpu_round.py: the chunked gated delta rule against flash-linear-attention, sinks through the log-sum-exp,
-#     absorbed MLA decoding at 32k cached tokens. flash-linear-attention is not on the GPU machine's image: its
+#     absorbed MLA decoding at 32k cached tokens, the paged cache against the contiguous one. flash-linear-attention is not on the GPU machine's image: its
 #     fla-core wheel travels in .whl/ (pip download --no-deps fla-core==0.6.0) and is installed for this part only.
 #   OUT=folder bash bench/gpu_run_round.sh     # logs and JSON land in $OUT
-# To measure a part again alone: DECODE_S=0 or PACKED_S=0 skip those; ROUND_PARTS=sinks,mla picks gpu_round's parts;
+# To measure a part again alone: DECODE_S=0 or PACKED_S=0 skip those; ROUND_PARTS=paged,sinks,mla picks gpu_round's parts;
 # DECODE_ARGS='--tuned' is passed to gpu_decode.py, DECODE_SHAPES='Llama-1B shape,...' as its --shapes.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
@@ -31,7 +31,7 @@ if ls .whl/fla_core-*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/fla_core-*.whl \
     >> "$OUT/device.txt" 2>&1
 fi
-PYTHONPATH=$PWD:/tmp/site timeout "${ROUND_S:-110}" python3 bench/gpu_round.py --part "${ROUND_PARTS:-linear,sinks,mla}" \
+PYTHONPATH=$PWD:/tmp/site timeout "${ROUND_S:-110}" python3 bench/gpu_round.py --part "${ROUND_PARTS:-linear,paged,sinks,mla}" \
     --out "$OUT/gpu_round.json" > "$OUT/round.log" 2>&1
 echo "round: exit $?" >> "$OUT/device.txt"
 cat "$OUT/device.txt"; grep -h "tokens/s\|over_varlen\|linear \|sinks \|mla \|rror" "$OUT"/*.log | cut -c1-400 | head -40

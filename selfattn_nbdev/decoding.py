@@ -536,8 +536,6 @@ def _check_choice(min_p, repetition_penalty) -> None:
 # %% ../nbs/07_batches.ipynb #3cc3182d
 _GRAPH_ROOM = 32  # the graphs a decode step may add to those of its forward
 _RETRIES = 8  # new graphs for a bound already compiled: Dynamo's default limit
-_CUDA_OPTIONS = {'triton.cudagraphs': True,  # mode='reduce-overhead'
-                 'coordinate_descent_tuning': True}  # a (1, d) @ W a tuned reduction
 
 class _NeverRaised(Exception): pass
 
@@ -581,8 +579,7 @@ def _decode_step(
     compiled_at.add(threads)
     # static shapes: a graph per bound (decode_bound), none traced with a symbolic one
     options = dict(fullgraph=True, dynamic=False) if compile is True else dict(compile)
-    if compile is True and device.type == 'cuda':  # CUDA graphs, and products by one
-        options['options'] = dict(_CUDA_OPTIONS)  # row tuned for the memory (gpt-fast's)
+    if compile is True and device.type == 'cuda': options['mode'] = 'reduce-overhead'
     compiled = torch.compile(model, **options)
     from torch._inductor import list_mode_options  # CUDA graphs: by mode, or option
     chosen = {**list_mode_options(options.get('mode') or 'default'),

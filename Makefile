@@ -62,7 +62,7 @@ bench: $(INSTALLED) ## time the attention paths against PyTorch's, generation, e
 	$(PY) bench/load_memory.py
 	$(PY) bench/hf_route.py
 	$(PY) bench/cpu_decode.py $(if $(LLAMACPP_PYTHON),--llamacpp-python $(LLAMACPP_PYTHON))
-	$(call run_nbs,nbs/08_performance.ipynb nbs/09_modern.ipynb nbs/10_masks.ipynb nbs/11_tiled.ipynb nbs/14_checkpoints.ipynb nbs/17_transformers.ipynb nbs/95_measurements.ipynb)
+	$(call run_nbs,nbs/08_performance.ipynb nbs/09_modern.ipynb nbs/10_masks.ipynb nbs/11_kernels.ipynb nbs/11_tiled.ipynb nbs/14_checkpoints.ipynb nbs/17_transformers.ipynb nbs/95_measurements.ipynb)
 
 # Run notebooks top to bottom from their own folder with nbdev's engine (execnb's exec_nb), stopping at the first
 # cell that raises, and save them with their fresh outputs, cleaned.

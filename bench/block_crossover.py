@@ -18,7 +18,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.benchmark import provenance  # noqa: E402
-from selfattn_nbdev.masks import BLOCK_MIN_PAIRS  # noqa: E402
+from selfattn_nbdev.kernels import BLOCK_MIN_PAIRS  # noqa: E402
 from selfattn_nbdev.tiled import alibi, alibi_slopes, tiled_attention  # noqa: E402
 
 HEADS, HEAD_DIM, LENGTHS, REPS = 4, 64, (512, 1024, 2048, 3072), 3

@@ -14,8 +14,9 @@ from torch.nn.attention.flex_attention import create_block_mask
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.gpu import timed  # noqa: E402
-from selfattn_nbdev.masks import (and_masks, causal, documents, flex_mode, key_padding,  # noqa: E402
-                                  _share_across_blocks as share_across_blocks)
+from selfattn_nbdev.masks import and_masks, causal, documents, key_padding  # noqa: E402
+from selfattn_nbdev.kernels import (flex_mode,  # noqa: E402
+                                    _share_across_blocks as share_across_blocks)
 from selfattn_nbdev.multihead import MultiHeadAttention  # noqa: E402
 
 

@@ -38,8 +38,8 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from selfattn_nbdev.masks import (and_masks, causal, flex_attend, flex_mode, key_padding, sliding_window,
-                                  varlen_attend)  # noqa: E402
+from selfattn_nbdev.masks import and_masks, causal, key_padding, sliding_window
+from selfattn_nbdev.kernels import flex_attend, flex_mode, varlen_attend  # noqa: E402
 from selfattn_nbdev.gqa_window_rope import repeat_kv  # noqa: E402
 from selfattn_nbdev.multihead import MultiHeadAttention  # noqa: E402
 from selfattn_nbdev.generation import TinyGPT  # noqa: E402

@@ -39,8 +39,9 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from selfattn_nbdev.generation import TinyGPT  # noqa: E402
-from selfattn_nbdev.masks import (_sdpa_by_run, _share_across_blocks, and_masks, causal, documents, flex_mode,  # noqa: E402
-                                  unpad, varlen_runs)
+from selfattn_nbdev.masks import and_masks, causal, documents  # noqa: E402
+from selfattn_nbdev.kernels import (_sdpa_by_run, _share_across_blocks, flex_mode,  # noqa: E402
+                                    unpad, varlen_runs)
 from selfattn_nbdev.multihead import MultiHeadAttention  # noqa: E402
 
 

@@ -17,7 +17,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from selfattn_nbdev.masks import flex_mode  # noqa: E402
+from selfattn_nbdev.kernels import flex_mode  # noqa: E402
 from selfattn_nbdev.multihead import MultiHeadAttention  # noqa: E402
 
 

@@ -44,7 +44,8 @@ def vm_hwm_bytes():
 
 def run_case(kind, T, reps):
     "One case in this process: seconds (median), peak extra bytes, and set-up seconds."
-    from selfattn_nbdev.masks import block_mask, dense_mask, flex_attend, key_padding, sliding_window
+    from selfattn_nbdev.masks import block_mask, dense_mask, key_padding, sliding_window
+from selfattn_nbdev.kernels import flex_attend
     from selfattn_nbdev.multihead import MultiHeadAttention
     from selfattn_nbdev.tiled import tiled_attention
     torch.set_num_threads(1); torch.manual_seed(0)

@@ -29,8 +29,9 @@ from .generation import KVCache, TinyGPT
 from .decoding import StaticKVCache, generate, generate_stream, sample_next
 from .gqa_window_rope import (repeat_kv, window_allowed, window_mask,
                                             rope_angles, apply_rope)
-from .masks import (and_masks, attention_kernel, causal, dense_mask,
-                                  documents, key_padding, or_masks, sliding_window)
+from .masks import (and_masks, causal, dense_mask, documents,
+                                  key_padding, or_masks, sliding_window)
+from .kernels import attention_kernel
 from .tiled import tiled_attention
 from . import mods as _mods  # MultiHeadAttention's 'block' path
 from .explorer import AttentionExplorer, package_attention
@@ -39,6 +40,7 @@ from . import hybrid as _hybrid, smollm3 as _smollm3
 from . import models as _models, gemma as _gemma, deepseek_v3 as _deepseek_v3
 import sys as _sys
 from . import gqa_window_rope as modern, llama_attention as recent
+from . import masks as _masks, kernels as _kernels
 
 _all_ = ['SelfAttention', 'check_tokens', 'check_size', 'check_flag', 'check_count',
          'check_range', 'check_token_ids', 'check_dropout', 'check_context',
@@ -61,3 +63,6 @@ _sys.modules.update({'selfattn_nbdev.modern': modern, 'selfattn_nbdev.recent': r
 for _module in (_gemma, _deepseek_v3):  # by name, and with models' `import *`
     for _name in _module.__all__: setattr(_models, _name, getattr(_module, _name))
     _models.__all__ += [_name for _name in _module.__all__ if _name not in _models.__all__]
+# the kernels that run a mask have a page and a module of their own; their public
+# names still import from masks, where they were first written
+for _name in _kernels.__all__: setattr(_masks, _name, getattr(_kernels, _name))

@@ -14,8 +14,8 @@ from .core import check_size, check_tokens
 from .causal import causal_allowed, check_context, check_dropout
 from .multihead import _check_cache
 from .generation import TinyGPT
-from .masks import (_check_mods, _dense_once, _refuse_kernel, block_mask,
-                                  causal)
+from .masks import block_mask, causal
+from .kernels import _check_mods, _dense_once, _refuse_kernel
 from .gqa_window_rope import (
     _rope_cos_sin, _shared_table, check_yarn, rope_rotate, yarn_mscale)
 from .tiled import tiled_attention

@@ -14,10 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .masks import (_by_run, _cpu_runs, _in_runs, _runs,
-                                  _share_across_blocks, and_masks, causal, dense_mask,
-                                  flex_attend, key_padding, pick_kernel,
-                                  sliding_window, varlen_attend)
+from .masks import (and_masks, causal, dense_mask, key_padding,
+                                  sliding_window)
+from .kernels import (_by_run, _cpu_runs, _in_runs, _runs,
+                                    _share_across_blocks, flex_attend, pick_kernel,
+                                    varlen_attend)
 from .gqa_window_rope import repeat_kv
 from .llama_attention import soft_cap, soft_cap_mod, softmax_with_sink
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .core import check_size, patch
-from .masks import _check_document_ids
+from .kernels import _check_document_ids
 
 # %% ../nbs/18_linear.ipynb #51c0896a
 def _shape(x) -> str:

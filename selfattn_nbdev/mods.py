@@ -8,7 +8,8 @@ __all__ = []
 # %% ../nbs/21_mods.ipynb #24adcf33
 from torch import Tensor
 
-from .masks import UNFUSED_KERNELS, _refuse_kernel, block_mask
+from .masks import block_mask
+from .kernels import UNFUSED_KERNELS, _refuse_kernel
 from .multihead import MultiHeadAttention
 from .gqa_window_rope import repeat_kv
 from .tiled import tiled_attention

@@ -14,7 +14,8 @@ import torch
 from torch import Tensor
 
 from .core import check_flag, check_size
-from .masks import EMPTY, FULL, PARTIAL, TileMask, _tile_index, block_mask
+from .masks import EMPTY, FULL, PARTIAL, TileMask, block_mask
+from .kernels import _tile_index
 
 # %% ../nbs/11_tiled.ipynb #a6c31b2e
 def online_softmax_step(

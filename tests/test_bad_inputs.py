@@ -17,6 +17,7 @@ from selfattn_nbdev import (CausalAttention, KVCache, MultiHeadAttention, MultiH
 import selfattn_nbdev.distributed as D
 import selfattn_nbdev.ring as R  # noqa: E402
 import selfattn_nbdev.masks as M
+import selfattn_nbdev.kernels as kernels
 import selfattn_nbdev.pretrained as P
 import selfattn_nbdev.llama_attention as RC
 from selfattn_nbdev.explorer import AttentionExplorer, reference_module
@@ -45,7 +46,7 @@ def _old(name):
 
 def _forced(kernel, **mods):
     "A module call with gradients under attention_kernel(kernel)."
-    with M.attention_kernel(kernel): return MultiHeadAttention(4, 8, 8)(X, **mods)
+    with kernels.attention_kernel(kernel): return MultiHeadAttention(4, 8, 8)(X, **mods)
 TOK = CharTokenizer('abc de')
 GPT = TinyGPT(len(TOK), context_length=16, d_model=8, num_heads=2, num_layers=1)
 IDS, LABELS, POS = make_bank_sentences(6, seed=0)
@@ -245,7 +246,7 @@ CASES = {
                              ['base', 'got 0']),
     # --- how fused attention is fast
     'tiled_attention scale': (lambda: tiled_attention(Q, Q, Q, scale=-1.0), ValueError, ['scale', '-1.0']),
-    'attention_kernel name': (lambda: M.attention_kernel('fast').__enter__(), ValueError, ['kernel', "'fast'"]),
+    'attention_kernel name': (lambda: kernels.attention_kernel('fast').__enter__(), ValueError, ['kernel', "'fast'"]),
     'MHA mask_mod': (lambda: MultiHeadAttention(4, 8, 8)(X, mask_mod='causal'), TypeError, ['mask_mod', 'str']),
     'MHA score_mod': (lambda: MultiHeadAttention(4, 8, 8)(X, score_mod=3), TypeError, ['score_mod', 'int']),
     'MHA scale': (lambda: MultiHeadAttention(4, 8, 8)(X, scale=float('inf')), ValueError, ['scale', 'inf']),
@@ -635,9 +636,9 @@ CASES = {
                                  ["Unpadded.pack's t", '(2, 4, ...)', '(3, 4)']),
     'Unpadded.unpack wrong length': (lambda: _unpadded().unpack(torch.zeros(1, 4, 3)), ValueError,
                                      ["Unpadded.unpack's t", '(1, 5, ...)', '(1, 4, 3)']),
-    'varlen_runs neither': (lambda: M.varlen_runs(None, None), ValueError,
+    'varlen_runs neither': (lambda: kernels.varlen_runs(None, None), ValueError,
                             ['key_padding_mask or document_ids', 'neither']),
-    'flex_attend None mask': (lambda: M.flex_attend(*[torch.zeros(1, 1, 4, 2)] * 3, None, compiled=False),
+    'flex_attend None mask': (lambda: kernels.flex_attend(*[torch.zeros(1, 1, 4, 2)] * 3, None, compiled=False),
                               TypeError, ['flex_attend', 'NoneType']),
     'rope_frequencies llama3 without factor': (lambda: RC.rope_frequencies(8, scaling={'rope_type': 'llama3'}),
                                                ValueError, ['factor', 'missing']),
@@ -664,7 +665,7 @@ CASES = {
 
 def _unpadded():
     "Two rows of 4 tokens, 3 and 2 of them real."
-    return M.unpad(torch.ones(2, 4, dtype=torch.long), torch.tensor([[0, 0, 0, 1], [0, 0, 1, 1]], dtype=torch.bool))
+    return kernels.unpad(torch.ones(2, 4, dtype=torch.long), torch.tensor([[0, 0, 0, 1], [0, 0, 1, 1]], dtype=torch.bool))
 
 
 @pytest.mark.parametrize('case', list(CASES))

@@ -15,7 +15,8 @@ import torch
 from selfattn_nbdev import MultiHeadAttention
 from selfattn_nbdev.generation import TinyGPT
 from selfattn_nbdev.decoding import generate
-from selfattn_nbdev.masks import block_mask, dense_mask, flex_mode, pick_kernel, sliding_window
+from selfattn_nbdev.masks import block_mask, dense_mask, sliding_window
+from selfattn_nbdev.kernels import flex_mode, pick_kernel
 from selfattn_nbdev.tiled import tiled_attention
 
 DEVICE = os.environ.get('SELFATTN_TEST_DEVICE', 'cuda')
@@ -148,7 +149,7 @@ def test_stacked_products_in_a_cuda_graph_write_the_separate_products_tokens(fam
 def test_unpad_trains_like_the_padded_batch(dtype):
     "A right-padded batch and its unpadded row (varlen flash attention in bfloat16): the same loss and gradients."
     import torch.nn.functional as F
-    from selfattn_nbdev.masks import unpad
+    from selfattn_nbdev.kernels import unpad
     torch.manual_seed(0)
     model = TinyGPT(64, 128, d_model=64, num_heads=4, num_layers=2).to(DEVICE)
     reference = copy.deepcopy(model).double()

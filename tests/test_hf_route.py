@@ -12,7 +12,8 @@ from transformers.masking_utils import (blockwise_overlay, causal_mask_function,
 from bench.hf_route import FAMILIES, REFUSED, VOCAB, padded_batch, prove, refusal, tiny
 from selfattn_nbdev import hf
 from selfattn_nbdev.hf import HFMask, attend, hf_attention, hf_mask, register
-from selfattn_nbdev.masks import and_masks, dense_mask, flex_mode, key_padding
+from selfattn_nbdev.masks import and_masks, dense_mask, key_padding
+from selfattn_nbdev.kernels import flex_mode
 
 
 @pytest.fixture(scope='module', autouse=True)

@@ -9,9 +9,10 @@ import torch
 import torch.nn.functional as F
 
 from selfattn_nbdev import MultiHeadAttention, leaks_future
-from selfattn_nbdev.masks import (EMPTY, FULL, PARTIAL, and_masks, block_mask, causal, dense_mask,
-                                  document_positions, documents, flex_attend, flex_mode, key_padding,
-                                  or_masks, pick_kernel, sliding_window)
+from selfattn_nbdev.masks import (EMPTY, FULL, PARTIAL, and_masks, block_mask, causal,
+                                  dense_mask, document_positions, documents,
+                                  key_padding, or_masks, sliding_window)
+from selfattn_nbdev.kernels import flex_attend, flex_mode, pick_kernel
 from selfattn_nbdev.tiled import tiled_attention
 
 T = 23
@@ -186,10 +187,10 @@ def test_document_positions_restart():
 
 
 def test_fused_path_picks_flex_or_dense(monkeypatch):
-    import selfattn_nbdev.masks as mh   # the fused path asks masks.pick_kernel
+    import selfattn_nbdev.kernels as kernels   # the fused path asks kernels.pick_kernel
     picked = []
-    real = mh.pick_kernel
-    monkeypatch.setattr(mh, 'pick_kernel', lambda *a, **kw: picked.append(real(*a, **kw)) or picked[-1])
+    real = kernels.pick_kernel
+    monkeypatch.setattr(kernels, 'pick_kernel', lambda *a, **kw: picked.append(real(*a, **kw)) or picked[-1])
     m = _module(window=3).float()
     x = torch.randn(2, 8, 16)
     with torch.no_grad():
@@ -316,9 +317,9 @@ def _fake_varlen(new_api):
 @pytest.mark.parametrize('is_causal', [True, False], ids=['causal', 'bidirectional'])
 def test_varlen_packing_on_cpu(monkeypatch, new_api, is_causal):
     "varlen_attend's packing, cu_seqlens, grouped heads and unpacking against the dense mask (the kernel faked)."
-    import selfattn_nbdev.masks as masks
-    from selfattn_nbdev.masks import varlen_attend
-    monkeypatch.setattr(masks, '_varlen_kernel', lambda device: _fake_varlen(new_api))
+    import selfattn_nbdev.kernels as kernels
+    from selfattn_nbdev.kernels import varlen_attend
+    monkeypatch.setattr(kernels, '_varlen_kernel', lambda device: _fake_varlen(new_api))
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, T, 8, generator=g, dtype=torch.float64)
     k, v = (torch.randn(2, 2, T, 8, generator=g, dtype=torch.float64) for _ in range(2))   # GQA: 2 groups
@@ -365,7 +366,7 @@ def test_a_model_builds_one_block_mask_per_forward_and_never_a_stale_one(monkeyp
 
 def test_a_shared_copy_written_in_place_or_made_in_inference_mode_is_built_again(monkeypatch):
     import torch.nn.attention.flex_attention as fa
-    from selfattn_nbdev.masks import _share_across_blocks as share_across_blocks
+    from selfattn_nbdev.kernels import _share_across_blocks as share_across_blocks
     built = []
     real_build = fa.create_block_mask
     monkeypatch.setattr(fa, 'create_block_mask', lambda *a, **kw: built.append(1) or real_build(*a, **kw))
@@ -388,18 +389,18 @@ def test_flex_attend_makes_room_for_compilations_around_its_own_calls(monkeypatc
     the reference code, which builds the full (T, T) scores (on an H100 the ninth compilation in bench/gpu.py asked for
     128 GiB). The limit is raised only while flex_attend calls its compiled kernel and builder."""
     import torch._dynamo.config as dynamo_config
-    from selfattn_nbdev import masks
+    import selfattn_nbdev.kernels as kernels
     seen = []
     def kernel(q, k, v, block_mask, enable_gqa, score_mod=None):
         seen.append(('kernel', dynamo_config.recompile_limit)); return q
     def builder(*args, **kwargs):
         seen.append(('builder', dynamo_config.recompile_limit)); return 'a block mask'
-    monkeypatch.setitem(masks._flex, 'compiled', (kernel, builder))
-    monkeypatch.setitem(masks._flex, 'last', (None, (), None, None))
+    monkeypatch.setitem(kernels._flex, 'compiled', (kernel, builder))
+    monkeypatch.setitem(kernels._flex, 'last', (None, (), None, None))
     before = dynamo_config.recompile_limit
     q = torch.randn(1, 2, 128, 4)            # one block: compiled Flex runs on a CPU from there
     flex_attend(q, q, q, documents(torch.zeros(1, 128, dtype=torch.long)), ('batch',), reads=(q,))
-    assert seen == [('builder', masks.FLEX_RECOMPILE_LIMIT), ('kernel', masks.FLEX_RECOMPILE_LIMIT)]
+    assert seen == [('builder', kernels.FLEX_RECOMPILE_LIMIT), ('kernel', kernels.FLEX_RECOMPILE_LIMIT)]
     assert dynamo_config.recompile_limit == before                # and put back
     seen.clear()
     with dynamo_config.patch(recompile_limit=100):                # a higher limit of the user's: kept
@@ -413,51 +414,51 @@ def test_flex_attend_makes_room_for_compilations_around_its_own_calls(monkeypatc
 def test_flex_mode_belongs_to_its_thread():
     "Thread A in 'eager', thread B in 'compiled', leaving in the other order: each sees its own, and after, 'auto'."
     import threading
-    from selfattn_nbdev import masks
+    import selfattn_nbdev.kernels as kernels
     seen, a_in, b_in, a_out = {}, threading.Event(), threading.Event(), threading.Event()
     def a():
         with flex_mode('eager'):
-            a_in.set(); b_in.wait(); seen['a'] = masks._switches.flex_mode
+            a_in.set(); b_in.wait(); seen['a'] = kernels._switches.flex_mode
         a_out.set()
     def b():
         a_in.wait()
         with flex_mode('compiled'):
-            b_in.set(); a_out.wait(); seen['b'] = masks._switches.flex_mode
-        seen['b after'] = masks._switches.flex_mode
+            b_in.set(); a_out.wait(); seen['b'] = kernels._switches.flex_mode
+        seen['b after'] = kernels._switches.flex_mode
     threads = [threading.Thread(target=f) for f in (a, b)]
     for t in threads: t.start()
     for t in threads: t.join(10)
-    assert seen == {'a': 'eager', 'b': 'compiled', 'b after': 'auto'} and masks._switches.flex_mode == 'auto'
+    assert seen == {'a': 'eager', 'b': 'compiled', 'b after': 'auto'} and kernels._switches.flex_mode == 'auto'
 
 
 def test_block_masks_kept_are_bounded(monkeypatch):
     "A block mask per length is kept, the least recently used given up first: FLEX_BLOCK_MASKS at most."
-    from selfattn_nbdev import masks
-    monkeypatch.setattr(masks, 'FLEX_BLOCK_MASKS', 3)
-    monkeypatch.setitem(masks._flex, 'block_masks', __import__('collections').OrderedDict())
+    import selfattn_nbdev.kernels as kernels
+    monkeypatch.setattr(kernels, 'FLEX_BLOCK_MASKS', 3)
+    monkeypatch.setitem(kernels._flex, 'block_masks', __import__('collections').OrderedDict())
     for T in (8, 16, 24, 8, 32):                         # 8 is used again: 16 goes first
         q = torch.randn(1, 1, T, 4)
         flex_attend(q, q, q, causal, ('causal',), compiled=False)
-    assert [key[1] for key in masks._flex['block_masks']] == [24, 8, 32]
+    assert [key[1] for key in kernels._flex['block_masks']] == [24, 8, 32]
 
 
 def test_the_room_for_compilations_holds_while_threads_overlap(monkeypatch):
     "Thread 1 enters _room, thread 2 enters, thread 1 leaves: thread 2 keeps its room (torch's config is per thread)."
     import threading
     import torch._dynamo.config as dynamo_config
-    from selfattn_nbdev import masks
+    import selfattn_nbdev.kernels as kernels
     before, seen = dynamo_config.recompile_limit, []
     first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
     def first():
-        with masks._room(True):
+        with kernels._room(True):
             first_in.set(); second_in.wait()
         seen.append(dynamo_config.recompile_limit)          # thread 1, out: its limit back
         first_out.set()
     def second():
         first_in.wait()
-        with masks._room(True):
+        with kernels._room(True):
             second_in.set(); first_out.wait(); seen.append(dynamo_config.recompile_limit)
     threads = [threading.Thread(target=f) for f in (first, second)]
     for t in threads: t.start()
     for t in threads: t.join(10)
-    assert seen == [before, masks.FLEX_RECOMPILE_LIMIT] and dynamo_config.recompile_limit == before
+    assert seen == [before, kernels.FLEX_RECOMPILE_LIMIT] and dynamo_config.recompile_limit == before

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import selfattn_nbdev  # noqa: F401  (every module, so every later version is in place)
-from selfattn_nbdev import masks as M
-from selfattn_nbdev.masks import and_masks, attention_kernel, causal, documents, pick_kernel
+import selfattn_nbdev.kernels as kernels
+from selfattn_nbdev.masks import and_masks, causal, documents
+from selfattn_nbdev.kernels import attention_kernel, pick_kernel
 from selfattn_nbdev.multihead import MultiHeadAttention
 from selfattn_nbdev.llama_attention import LlamaAttention
 from selfattn_nbdev.tiled import alibi, alibi_slopes
@@ -159,7 +160,7 @@ def test_the_mask_mod_replaces_causal_and_padding_still_applies():
 
 def test_one_warning_for_a_large_call_on_the_explicit_path(monkeypatch):
     "A score function with dropout goes to no fused kernel: once per process, a warning names the path taken."
-    monkeypatch.setattr(M, '_said', set())
+    monkeypatch.setattr(kernels, '_said', set())
     m = MultiHeadAttention(4, 4, 2048, num_heads=1, dropout=0.1).train()
     x = torch.randn(1, 2048, 4)
     with warnings.catch_warnings(record=True) as caught:
@@ -175,7 +176,7 @@ def test_a_large_score_function_with_a_backward_goes_tiled(monkeypatch):
     import selfattn_nbdev.mods as mods
     calls, real = [], mods.tiled_attention
     monkeypatch.setattr(mods, 'tiled_attention', lambda *a, **k: calls.append(1) or real(*a, **k))
-    monkeypatch.setattr(M, '_said', set())
+    monkeypatch.setattr(kernels, '_said', set())
     m = MultiHeadAttention(4, 4, 2048, num_heads=1)
     with warnings.catch_warnings():
         warnings.simplefilter('error')
@@ -287,7 +288,7 @@ def test_compiled_flex_takes_a_callers_functions_and_compiles_them_once():
         def prefix_lm(b, h, q_idx, kv_idx): return (kv_idx <= q_idx) | (kv_idx < lengths[b])
         return prefix_lm
     counters = torch._dynamo.utils.counters['stats']
-    with torch.no_grad(), M.flex_mode('compiled'):
+    with torch.no_grad(), kernels.flex_mode('compiled'):
         for i, lengths in enumerate([torch.tensor([9, 40]), torch.tensor([100, 3]), torch.tensor([0, 256])]):
             kw = dict(mask_mod=prefix_lm_of(lengths), score_mod=ALIBI)
             out, ref = m(x, **kw), m(x, return_attn_weights=True, **kw)[0]

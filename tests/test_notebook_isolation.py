@@ -6,8 +6,8 @@ import inspect, linecache, os, subprocess, sys, textwrap
 import pytest
 
 from selfattn_nbdev.core import patch
-from selfattn_nbdev import masks
-from selfattn_nbdev.masks import _attend_masked
+import selfattn_nbdev.kernels as kernels
+from selfattn_nbdev.kernels import _attend_masked
 from selfattn_nbdev.multihead import MultiHeadAttention
 
 
@@ -21,9 +21,9 @@ def _run_as(module_name: str, code: str, names: dict | None = None) -> dict:
 
 
 def test_a_notebook_running_the_package_cell_keeps_the_package_method():
-    "The cell masks.py was written from, run again as a notebook runs it: the class keeps the package's method."
+    "The cell kernels.py was written from, run again as a notebook runs it: the class keeps the package's method."
     cell = textwrap.dedent(inspect.getsource(_attend_masked))
-    imported = {k: v for k, v in vars(masks).items() if not k.startswith('__')}  # what its import cell gave
+    imported = {k: v for k, v in vars(kernels).items() if not k.startswith('__')}  # what its import cell gave
     names = _run_as('__main__', cell, imported)
     assert MultiHeadAttention._attend_masked is _attend_masked     # the package's, with the package's globals
     assert names['_attend_masked'] is _attend_masked               # and the notebook's name is it too
@@ -32,7 +32,7 @@ def test_a_notebook_running_the_package_cell_keeps_the_package_method():
 def test_a_package_module_cannot_replace_a_method():
     "Add, never replace: a second definition of a name, from a module of the package, is refused by name."
     with pytest.raises(TypeError, match=r"patch adds names: MultiHeadAttention._attend_masked exists \(from "
-                                        r"selfattn_nbdev.masks\); give the method of selfattn_nbdev.later"):
+                                        r"selfattn_nbdev.kernels\); give the method of selfattn_nbdev.later"):
         _run_as('selfattn_nbdev.later', '@patch\ndef _attend_masked(self:MultiHeadAttention): return 0\n')
     assert MultiHeadAttention._attend_masked is _attend_masked
 
@@ -61,7 +61,7 @@ ELSEWHERE = ("import torch\nfrom torch.nn.attention.flex_attention import flex_a
              "q = torch.randn(1, 2, 128, 16)\n"
              "out = torch.compile(flex_attention)(q, q, q, score_mod=capped)\nok = True")
 # a notebook whose score function reads a module of its own `__main__` (`numbers`)
-SECOND = ("import torch, numbers\nfrom selfattn_nbdev.masks import flex_attend\n"
+SECOND = ("import torch, numbers\nfrom selfattn_nbdev.kernels import flex_attend\n"
           "def capped(score, b, h, q_idx, kv_idx):\n"
           "    assert isinstance(5.0, numbers.Real)\n    return 5 * torch.tanh(score / 5)\n"
           "def causal(b, h, q_idx, kv_idx): return q_idx >= kv_idx\n"
@@ -75,7 +75,7 @@ def test_flex_in_a_second_notebook():
     modules must still compile: after a notebook that compiled Flex itself, eagerly (flex_attention compiles itself
     even when the package does not ask it to) and compiled, and again after a notebook that compiled through the
     package. One process for all four, as nbdev_test runs them."""
-    first = ("import torch\nfrom selfattn_nbdev.masks import flex_attend\n"
+    first = ("import torch\nfrom selfattn_nbdev.kernels import flex_attend\n"
              "def causal(b, h, q_idx, kv_idx): return torch.ge(q_idx, kv_idx)\n"
              "q = torch.randn(1, 2, 128, 16)\nout = flex_attend(q, q, q, causal, compiled=True)\nok = True")
     _in_one_process(ELSEWHERE, SECOND.format(compiled=False), SECOND.format(compiled=True), first,
@@ -100,14 +100,14 @@ def test_a_notebooks_switch_steers_the_package_methods():
     """A notebook defines its own `attention_kernel` (the cell runs again), while the class keeps the package's
     methods: the switch they share lives in an earlier module (core's `_switches`), so the notebook's copy steers them."""
     import torch
-    imported = {k: v for k, v in vars(masks).items() if not k.startswith('__')}
-    source = inspect.getsource(masks)  # the cell of the switches, as the notebook runs it: its state too
+    imported = {k: v for k, v in vars(kernels).items() if not k.startswith('__')}
+    source = inspect.getsource(kernels)  # the cell of the switches, as the notebook runs it: its state too
     cell = source[source.index('FLEX_MODES = '):source.index('def pick_kernel(')]
     names = _run_as('__main__', cell, imported)
     mine = names['attention_kernel']
-    assert mine is not masks.attention_kernel                      # the notebook's own copy
+    assert mine is not kernels.attention_kernel                      # the notebook's own copy
     lm, x = MultiHeadAttention(8, 8, 8, num_heads=2), torch.randn(1, 4, 8)
     with mine('dense'), pytest.raises(Exception, match='no score function'):
         lm(x, score_mod=lambda score, b, h, q, kv: score)
     with mine('explicit'), torch.no_grad():
-        assert masks._switches.kernel == 'explicit'
+        assert kernels._switches.kernel == 'explicit'

@@ -177,8 +177,10 @@ def _package_imports(module:str) -> set:
 
 
 def test_masks_import_no_model_and_no_decoding():
-    "Masks are told about models through parts on the attention: the module imports attention, never a model."
-    assert _package_imports('masks') <= {'core', 'causal', 'multihead'}, _package_imports('masks')
+    """A mask is a function of four indices: its module imports only the foundation. The kernels that run masks
+    are told about models through parts on the attention: their module imports attention, never a model."""
+    assert _package_imports('masks') <= {'core'}, _package_imports('masks')
+    assert _package_imports('kernels') <= {'core', 'causal', 'multihead', 'masks'}, _package_imports('kernels')
     assert TinyGPT._call_parts is MultiHeadAttention._model_parts
     assert 'documents' in MultiHeadAttention._model_parts
 
@@ -231,19 +233,19 @@ def _count_calls(monkeypatch, owner, name:str, sizes) -> list:
 
 def _dense_masks_built(monkeypatch) -> list:
     "(T, S) of each dense mask a mask_mod is asked for: masks._ask, which dense_mask and a forward's scope call."
-    from selfattn_nbdev import masks
+    from selfattn_nbdev import kernels, masks
     return _count_calls(monkeypatch, masks, '_ask', lambda a: (len(a[1]), len(a[2])))
 
 
 def test_a_models_forward_builds_a_mask_mods_dense_mask_once(monkeypatch):
     """The model builds the mask once a forward, its first included, and its blocks read it: one dense mask for four
     blocks, same logits; the model holds no hook, and nothing stays set after the forward."""
-    from selfattn_nbdev import masks
+    from selfattn_nbdev import kernels, masks
     model, ids, window = _llama(), torch.randint(0, 64, (2, 24)), sliding_window(5)
     built = _dense_masks_built(monkeypatch)
     with torch.no_grad(): shared = model(ids, mask_mod=window)   # the model's first forward
     assert built == [(24, 24)], built
-    assert masks._switches.masks is None and not model._forward_hooks
+    assert kernels._switches.masks is None and not model._forward_hooks
     monkeypatch.delitem(MultiHeadAttention._model_parts, 'forward_masks')  # every block its own
     built.clear()
     with torch.no_grad(): alone = model(ids, mask_mod=window)
@@ -253,13 +255,13 @@ def test_a_models_forward_builds_a_mask_mods_dense_mask_once(monkeypatch):
 def test_a_mask_mod_alone_builds_no_causal_mask_and_opens_empty_rows_once(monkeypatch):
     """Your mask_mod takes the place of causal and window: no causal mask is built, and SDPA's mask (each query
     with no key opened, zeroed after) is made once a forward for four blocks; such a query gives 0, as explicit."""
-    from selfattn_nbdev import masks, multihead
-    from selfattn_nbdev.masks import attention_kernel
+    from selfattn_nbdev import kernels, masks, multihead
+    from selfattn_nbdev.kernels import attention_kernel
     model, ids = _llama(), torch.randint(0, 64, (2, 24))
     def late(b, h, q_idx, kv_idx): return (kv_idx <= q_idx) & (q_idx >= 3)  # queries 0-2: no key
     with torch.no_grad(), attention_kernel('explicit'): explicit = model(ids, mask_mod=late)
     causal_built = _count_calls(monkeypatch, multihead, 'causal_allowed', slice(0, 1))
-    dense_built = _count_calls(monkeypatch, masks, '_dense_once', slice(1, 3))
+    dense_built = _count_calls(monkeypatch, kernels, '_dense_once', slice(1, 3))
     with torch.no_grad(): fused = model(ids, mask_mod=late)
     assert causal_built == [] and dense_built == [(24, 24)], (causal_built, dense_built)
     assert torch.allclose(fused, explicit, atol=1e-5)
@@ -270,8 +272,8 @@ def test_a_mask_mod_alone_builds_no_causal_mask_and_opens_empty_rows_once(monkey
 def test_a_mask_mod_with_padding_or_documents_builds_its_mask_once_a_forward(monkeypatch, given):
     """With padding or packed documents beside your mask_mod, SDPA's mask is still made once a forward for four
     blocks, with no causal mask built; it equals the explicit path's, rows with no key included."""
-    from selfattn_nbdev import masks, multihead
-    from selfattn_nbdev.masks import attention_kernel
+    from selfattn_nbdev import kernels, masks, multihead
+    from selfattn_nbdev.kernels import attention_kernel
     model, ids = _llama(), torch.randint(0, 64, (2, 24))
     def late(b, h, q_idx, kv_idx): return (kv_idx <= q_idx) & (q_idx >= 3)  # queries 0-2: no key
     padding = torch.zeros(2, 24, dtype=torch.bool); padding[1, :5] = True   # row 1: 5 pads on the left
@@ -279,7 +281,7 @@ def test_a_mask_mod_with_padding_or_documents_builds_its_mask_once_a_forward(mon
               dict(document_ids=torch.tensor([[0] * 10 + [1] * 14, [0] * 20 + [1] * 4])))
     with torch.no_grad(), attention_kernel('explicit'): explicit = model(ids, mask_mod=late, **inputs)
     causal_built = _count_calls(monkeypatch, multihead, 'causal_allowed', slice(0, 1))
-    opened = _count_calls(monkeypatch, masks, '_dense_once', slice(1, 3))
+    opened = _count_calls(monkeypatch, kernels, '_dense_once', slice(1, 3))
     with torch.no_grad(): fused = model(ids, mask_mod=late, **inputs)
     assert causal_built == [] and opened == [(24, 24)], (causal_built, opened)
     real = ~padding[..., None] if given == 'padding' else torch.ones(2, 24, 1, dtype=torch.bool)
@@ -292,7 +294,7 @@ def test_a_padded_or_packed_batch_gets_its_dense_mask_once_a_forward(monkeypatch
     """Padding or documents on the dense SDPA path (a CPU, under 1,024 tokens): one mask for four blocks, built
     from the causal mask (or the window) once, and the logits of the explicit path."""
     from selfattn_nbdev import multihead
-    from selfattn_nbdev.masks import attention_kernel
+    from selfattn_nbdev.kernels import attention_kernel
     from selfattn_nbdev.models import Llama
     torch.manual_seed(0)
     model = Llama(vocab_size=64, context_length=64, d_model=32, num_heads=4, num_layers=4,
@@ -316,7 +318,7 @@ def test_a_padded_or_packed_batch_gets_its_dense_mask_once_a_forward(monkeypatch
 
 def test_a_callers_own_padding_is_read_again_at_every_call_in_a_shared_scope():
     "shared_masks(): a padding mask the caller changes in place between two calls is read anew (not kept)."
-    from selfattn_nbdev.masks import shared_masks
+    from selfattn_nbdev.kernels import shared_masks
     attn = _llama(1).blocks[0].attn
     x, padding = torch.randn(1, 6, 32), torch.zeros(1, 6, dtype=torch.bool)
     def anything(b, h, q_idx, kv_idx): return kv_idx <= q_idx
@@ -344,7 +346,7 @@ def test_a_call_whose_later_inputs_are_all_none_asks_no_part(monkeypatch):
 
 def test_nothing_is_kept_from_one_forward_to_the_next():
     "A mask_mod that reads a tensor: changed between two calls, the second call sees the change."
-    from selfattn_nbdev import masks
+    from selfattn_nbdev import kernels, masks
     model, ids = _llama(2), torch.randint(0, 64, (1, 12))
     reach = torch.tensor(3)
     def near(b, h, q_idx, kv_idx): return (q_idx >= kv_idx) & (q_idx - kv_idx < reach)
@@ -355,13 +357,13 @@ def test_nothing_is_kept_from_one_forward_to_the_next():
     assert not torch.allclose(first, second) and torch.allclose(second, causal_only, atol=1e-5)
     with pytest.raises(ValueError), torch.no_grad():
         model(torch.randint(0, 64, (1, 80)), mask_mod=near)  # longer than the context: refused
-    assert masks._switches.masks is None and not model._forward_hooks  # no scope, no hook
+    assert kernels._switches.masks is None and not model._forward_hooks  # no scope, no hook
 
 
 def test_a_models_forward_builds_a_mask_mods_block_mask_once(monkeypatch):
     "FlexAttention too: one block mask of your mask_mod for the four blocks of a forward, rebuilt the next forward."
     import torch.nn.attention.flex_attention as flex
-    from selfattn_nbdev.masks import attention_kernel
+    from selfattn_nbdev.kernels import attention_kernel
     model, ids, window = _llama(), torch.randint(0, 64, (1, 24)), sliding_window(5)
     with torch.no_grad(): dense = model(ids, mask_mod=window)
     built = _count_calls(monkeypatch, flex, 'create_block_mask', slice(3, 5))
@@ -373,7 +375,7 @@ def test_a_models_forward_builds_a_mask_mods_block_mask_once(monkeypatch):
 
 def test_shared_masks_for_a_model_of_your_own(monkeypatch):
     "shared_masks: four MultiHeadAttention layers of your own build one dense mask; outside it, one each."
-    from selfattn_nbdev import masks
+    from selfattn_nbdev import kernels, masks
     torch.manual_seed(0)
     stack = [MultiHeadAttention(16, 16, 32, num_heads=4).eval() for _ in range(4)]
     x, window = torch.randn(2, 12, 16), sliding_window(3)
@@ -383,8 +385,8 @@ def test_shared_masks_for_a_model_of_your_own(monkeypatch):
         return h
     built = _dense_masks_built(monkeypatch)
     with torch.no_grad():
-        with masks.shared_masks(): inside = run()
-        assert len(built) == 1 and masks._switches.masks is None
+        with kernels.shared_masks(): inside = run()
+        assert len(built) == 1 and kernels._switches.masks is None
         outside = run()
     assert len(built) == 5 and torch.equal(inside, outside)
 
@@ -414,18 +416,18 @@ def test_every_cache_says_how_many_tokens_it_has_seen_and_where_the_next_stand()
 def test_a_models_forward_inside_shared_masks_leaves_the_outer_scope_open(monkeypatch):
     """A model's forward keeps its masks in its own dict: the scope around it is untouched, and a layer called after
     the model still shares its mask in that scope."""
-    from selfattn_nbdev import masks
+    from selfattn_nbdev import kernels, masks
     model, ids, window = _llama(2), torch.randint(0, 64, (1, 12)), sliding_window(3)
     layer, x = MultiHeadAttention(16, 16, 32, num_heads=4).eval(), torch.randn(2, 12, 16)  # batch 2: a new mask
-    with torch.no_grad(), masks.shared_masks():
-        outer = masks._switches.masks
+    with torch.no_grad(), kernels.shared_masks():
+        outer = kernels._switches.masks
         for _ in range(2):
             model(ids, mask_mod=window)
-            assert masks._switches.masks is outer and outer == {}  # the model's own, not the scope's
+            assert kernels._switches.masks is outer and outer == {}  # the model's own, not the scope's
         built = _dense_masks_built(monkeypatch)
         layer(x, mask_mod=window); layer(x, mask_mod=window)
         assert len(built) == 1
-    assert masks._switches.masks is None
+    assert kernels._switches.masks is None
 
 
 def test_moved_families_still_import_from_their_old_home():
@@ -444,7 +446,7 @@ def test_moved_families_still_import_from_their_old_home():
 def test_a_window_that_holds_every_key_builds_no_mask(monkeypatch):
     "window >= T hides nothing: SDPA's causal flag, no dense mask (a Mistral prompt shorter than its window)."
     from selfattn_nbdev import multihead
-    from selfattn_nbdev.masks import attention_kernel
+    from selfattn_nbdev.kernels import attention_kernel
     from selfattn_nbdev.models import Llama
     torch.manual_seed(0)
     model, ids = Llama(64, 64, d_model=32, num_heads=4, num_layers=2, window=16).eval(), torch.randint(0, 64, (2, 16))
@@ -461,7 +463,7 @@ def test_a_windowed_model_builds_its_window_mask_once_a_forward_and_no_empty_row
     a window and documents leave no query without a key, so no row is searched for one (`any`)."""
     import torch.nn.functional as F
     from selfattn_nbdev import multihead
-    from selfattn_nbdev.masks import attention_kernel
+    from selfattn_nbdev.kernels import attention_kernel
     from selfattn_nbdev.models import Llama
     torch.manual_seed(0)
     model, ids = Llama(64, 64, d_model=32, num_heads=4, num_layers=4, window=5).eval(), torch.randint(0, 64, (2, 20))
@@ -476,7 +478,7 @@ def test_a_windowed_model_builds_its_window_mask_once_a_forward_and_no_empty_row
 def test_shared_masks_shares_a_windows_mask_across_modules_of_the_same_window(monkeypatch):
     "Inside shared_masks(): modules of one causal flag and window share one dense mask; another window builds its own."
     from selfattn_nbdev import multihead
-    from selfattn_nbdev.masks import shared_masks
+    from selfattn_nbdev.kernels import shared_masks
     torch.manual_seed(0)
     stack = [MultiHeadAttention(16, 16, 32, num_heads=4, window=w).eval() for w in (3, 3, 3, 5)]
     x = torch.randn(2, 12, 16)
@@ -503,7 +505,7 @@ def test_a_padded_forward_under_inference_mode_shares_its_mask_too(monkeypatch):
 def test_what_a_forward_hands_its_blocks_to_share_their_masks():
     """A causal forward without inputs: nothing to share (SDPA's flag); a model with a window, a mask_mod or padding:
     a new dict each forward, in which the window's mask is made once; with caches and no inputs: none."""
-    from selfattn_nbdev import masks
+    from selfattn_nbdev import kernels, masks
     from selfattn_nbdev.models import Llama
     model, ids = _llama(2), torch.randint(0, 64, (1, 12))
     torch.manual_seed(0)
@@ -521,12 +523,12 @@ def test_what_a_forward_hands_its_blocks_to_share_their_masks():
     assert plain is None and prefill is None and step is None, seen
     assert len(modded) == 2 and len(first) == 1  # the mod's dense mask and SDPA's form of it; the window's
     assert first is not second and len(second) == 1  # made again the next forward: nothing kept between calls
-    assert masks._switches.masks is None
+    assert kernels._switches.masks is None
 
 
 def test_deepseeks_blocks_share_a_mask_mods_dense_mask(monkeypatch):
     "LatentAttention reads the model's dict too: one dense mask of your mask_mod for three blocks, the same logits."
-    from selfattn_nbdev import masks
+    from selfattn_nbdev import kernels, masks
     from selfattn_nbdev.deepseek_v3 import DeepSeekV3
     torch.manual_seed(0)
     model = DeepSeekV3(50, 32, 16, 4, 3, 32, kv_rank=8, rope_dim=4, nope_dim=4, v_dim=4).eval()
@@ -542,12 +544,12 @@ def test_deepseeks_blocks_share_a_mask_mods_dense_mask(monkeypatch):
 
 def test_a_padded_batchs_runs_are_found_once_a_forward(monkeypatch):
     "Attended run by run, four blocks find the runs of their padding once a forward, kept in the model's dict."
-    from selfattn_nbdev import masks
-    from selfattn_nbdev.masks import attention_kernel
+    from selfattn_nbdev import kernels, masks
+    from selfattn_nbdev.kernels import attention_kernel
     model, ids = _llama(), torch.randint(0, 64, (2, 24))
     padding = torch.zeros(2, 24, dtype=torch.bool); padding[1, :5] = True
     with torch.no_grad(): dense = model(ids, key_padding_mask=padding)
-    found = _count_calls(monkeypatch, masks, 'varlen_runs', slice(0, 1))
+    found = _count_calls(monkeypatch, kernels, 'varlen_runs', slice(0, 1))
     with torch.no_grad(), attention_kernel('varlen'):
         first, second = model(ids, key_padding_mask=padding), model(ids, key_padding_mask=padding)
     assert len(found) == 2, found  # one a forward, for four blocks

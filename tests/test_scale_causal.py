@@ -15,7 +15,8 @@ import torch
 
 from selfattn_nbdev.causal import causal_allowed
 from selfattn_nbdev.distributed import run_ranks
-from selfattn_nbdev.masks import block_mask, causal, dense_mask, key_padding, sliding_window
+from selfattn_nbdev.masks import (block_mask, causal, dense_mask, key_padding,
+                                  sliding_window)
 from selfattn_nbdev.llama_attention import LlamaAttention
 from selfattn_nbdev.ring import context_parallel, ring_attention, shard_sequence, split_kv_attention
 from selfattn_nbdev.tiled import alibi, alibi_slopes, tiled_attention

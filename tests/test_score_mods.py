@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from selfattn_nbdev.generation import KVCache
-from selfattn_nbdev.masks import (and_masks, causal, dense_mask, documents, flex_mode, key_padding,
-                                  sliding_window)
+from selfattn_nbdev.masks import (and_masks, causal, dense_mask, documents,
+                                  key_padding, sliding_window)
+from selfattn_nbdev.kernels import flex_mode
 from selfattn_nbdev.masks import block_mask as make_block_mask
 from selfattn_nbdev.llama_attention import LlamaAttention, soft_cap, soft_cap_mod, softmax_with_sink
 from selfattn_nbdev.tiled import alibi, alibi_slopes, tiled_attention
@@ -116,10 +117,10 @@ CASES = {'causal': {}, 'window': dict(window=5)}
 @pytest.mark.parametrize('batch', ['plain', 'padding', 'documents'])
 def test_llama_cap_goes_to_flex_score_mod_and_agrees(case, batch, monkeypatch):
     "The fused path hands the cap to FlexAttention (uncompiled here) and gets the explicit path's numbers."
-    import selfattn_nbdev.masks as masks
+    import selfattn_nbdev.kernels as kernels
     seen = []
-    real = masks.flex_attend
-    monkeypatch.setattr(masks, 'flex_attend', lambda *a, **kw: seen.append(kw['score_mod']) or real(*a, **kw))
+    real = kernels.flex_attend
+    monkeypatch.setattr(kernels, 'flex_attend', lambda *a, **kw: seen.append(kw['score_mod']) or real(*a, **kw))
     m = layer(softcap=3.0, query_scale=0.3, **CASES[case])
     x = torch.randn(2, 11, 32, dtype=torch.float64)
     kw = {}
@@ -165,7 +166,7 @@ def test_soft_cap_mod_is_one_function_per_cap():
 @pytest.mark.parametrize('mod', ['alibi', 'cap', 'alibi then cap'])
 def test_flex_attend_takes_the_same_score_functions(mod):
     "The fused path's kernel, FlexAttention (uncompiled here), with a score function: the formulas' numbers."
-    from selfattn_nbdev.masks import flex_attend
+    from selfattn_nbdev.kernels import flex_attend
     q, k, v, _ = (t.detach() for t in inputs(T=24))
     with torch.no_grad():
         ours = flex_attend(q, k, v, causal, compiled=False, score_mod=MODS[mod])

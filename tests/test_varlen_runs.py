@@ -8,10 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import selfattn_nbdev.masks as masks
+import selfattn_nbdev.kernels as kernels
 from selfattn_nbdev.generation import TinyGPT
-from selfattn_nbdev.masks import (and_masks, causal, dense_mask, documents, key_padding, sliding_window, unpad,
-                                  varlen_attend, varlen_runs)
+from selfattn_nbdev.masks import (and_masks, causal, dense_mask, documents,
+                                  key_padding, sliding_window)
+from selfattn_nbdev.kernels import unpad, varlen_attend, varlen_runs
 from selfattn_nbdev.pretrained import Gemma, Llama
 from selfattn_nbdev.llama_attention import LlamaAttention
 
@@ -112,7 +113,7 @@ def test_a_document_in_two_runs_has_no_varlen_runs():
 @pytest.mark.parametrize('padded', [True, False], ids=['padded', 'unpadded'])
 def test_varlen_documents_on_cpu(monkeypatch, new_api, is_causal, padded):
     "Documents (and padding) through varlen_attend's packing, the kernel faked, against the dense mask."
-    monkeypatch.setattr(masks, '_varlen_kernel', lambda device: _fake_varlen(new_api))
+    monkeypatch.setattr(kernels, '_varlen_kernel', lambda device: _fake_varlen(new_api))
     b, T = 3, 30
     pad, ids = _random_batch(5, b, T, padded, True)
     pad = None if pad is None else pad & (torch.arange(T) > 0)               # every row keeps a token
@@ -130,14 +131,14 @@ def test_varlen_documents_on_cpu(monkeypatch, new_api, is_causal, padded):
 
 def _varlen_everywhere(monkeypatch):
     "Make the CPU take the varlen route (pick_kernel as on CUDA in half precision) with the stand-in kernel."
-    monkeypatch.setattr(masks, '_varlen_kernel', lambda device: _fake_varlen(True))
-    real_pick = masks.pick_kernel
+    monkeypatch.setattr(kernels, '_varlen_kernel', lambda device: _fake_varlen(True))
+    real_pick = kernels.pick_kernel
     def pick(device_type, masked, T, S, needs_grad, dropout, runs_only=False, half=False, scored=False):
         if masked and runs_only and not dropout and not scored: return 'varlen'
         return real_pick(device_type, masked, T, S, needs_grad, dropout, runs_only, half, scored)
-    monkeypatch.setattr(masks, 'pick_kernel', pick)
+    monkeypatch.setattr(kernels, 'pick_kernel', pick)
     found = []
-    monkeypatch.setattr(masks, 'varlen_runs', lambda *a: found.append(1) or varlen_runs(*a))
+    monkeypatch.setattr(kernels, 'varlen_runs', lambda *a: found.append(1) or varlen_runs(*a))
     return found
 
 
@@ -224,10 +225,10 @@ def test_the_cpu_attends_run_by_run_with_a_backward():
     the dense mask again."""
     torch.manual_seed(0)
     _padded_equals_unpadded_run_by_run(TinyGPT(32, 512, d_model=16, num_heads=2, num_layers=2))
-    assert masks.pick_kernel('cpu', True, 1200, 1200, True, 0.0, runs_only=True) == 'varlen'
+    assert kernels.pick_kernel('cpu', True, 1200, 1200, True, 0.0, runs_only=True) == 'varlen'
     many = torch.arange(1100)[None] // 4                                   # 275 documents of 4 tokens
-    assert len(varlen_runs(None, many).cu_seqlens) - 1 > masks.RUNS_MAX
-    m = masks.MultiHeadAttention(8, 8, 1100, num_heads=2).double()
+    assert len(varlen_runs(None, many).cu_seqlens) - 1 > kernels.RUNS_MAX
+    m = kernels.MultiHeadAttention(8, 8, 1100, num_heads=2).double()
     x = torch.randn(1, 1100, 8, dtype=torch.float64)
     with torch.no_grad():
         alone = torch.cat([m(part) for part in x.split(4, dim=1)], dim=1)
@@ -308,11 +309,11 @@ def _padded_equals_unpadded_run_by_run(model):
     padded = F.cross_entropy(model(tokens)[~pad], targets[~pad])
     g_padded = torch.autograd.grad(padded, list(model.parameters()))
     row = unpad(tokens, pad)
-    assert row.token_ids.shape[1] >= masks.RUNS_MIN_TOKENS
-    picked, runs, real_pick, real_by_run = [], [], masks.pick_kernel, masks._by_run
+    assert row.token_ids.shape[1] >= kernels.RUNS_MIN_TOKENS
+    picked, runs, real_pick, real_by_run = [], [], kernels.pick_kernel, kernels._by_run
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(masks, 'pick_kernel', lambda *a, **kw: picked.append(real_pick(*a, **kw)) or picked[-1])
-        mp.setattr(masks, '_by_run', lambda *a: runs.append(1) or real_by_run(*a))
+        mp.setattr(kernels, 'pick_kernel', lambda *a, **kw: picked.append(real_pick(*a, **kw)) or picked[-1])
+        mp.setattr(kernels, '_by_run', lambda *a: runs.append(1) or real_by_run(*a))
         packed = F.cross_entropy(model(row.token_ids, document_ids=row.document_ids)[0], row.pack(targets)[0])
     assert picked.count('varlen') == 2 and len(runs) == 2, picked   # both blocks, run by run
     g_packed = torch.autograd.grad(packed, list(model.parameters()))
@@ -322,12 +323,12 @@ def _padded_equals_unpadded_run_by_run(model):
 
 def _route(m, x, **kw):
     "Which way a module's masked attention went: 'runs', 'flex' (not run here), 'tiled' (sinks, by L) or 'dense'."
-    went, real_by_run, real_sunk = [], masks._by_run, LlamaAttention._attend_sunk
+    went, real_by_run, real_sunk = [], kernels._by_run, LlamaAttention._attend_sunk
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(masks, '_by_run', lambda *a: went.append('runs') or real_by_run(*a))
+        mp.setattr(kernels, '_by_run', lambda *a: went.append('runs') or real_by_run(*a))
         mp.setattr(LlamaAttention, '_attend_sunk',
                    lambda self, *a, **k: went.append('tiled') or real_sunk(self, *a, **k))
-        mp.setattr(masks.MultiHeadAttention, '_attend_flex',
+        mp.setattr(kernels.MultiHeadAttention, '_attend_flex',
                    lambda self, q, *a, **k: went.append('flex') or torch.zeros_like(q))
         m(x, **kw)
     return went[0] if went else 'dense'
@@ -338,26 +339,26 @@ def test_a_window_goes_run_by_run_only_where_flex_would_not_run():
     (8,192 tokens in 2 documents, window 256, inference: 0.83 s by run, 0.25 s Flex, on 2 CPU cores). So a window goes
     by run where the dense mask would have been chosen: a backward on a CPU, texts shorter than FLEX_MIN_TOKENS, or
     Flex turned off."""
-    m = masks.MultiHeadAttention(8, 8, 4096, num_heads=2, window=8)
+    m = kernels.MultiHeadAttention(8, 8, 4096, num_heads=2, window=8)
     ids = torch.repeat_interleave(torch.arange(2), 2048)[None]
     long, short = torch.randn(1, 4096, 8), torch.randn(1, 2048, 8)
     with torch.no_grad():
         assert _route(m, long, document_ids=ids) == 'flex'                       # inference: Flex
-        with masks.flex_mode('off'): assert _route(m, long, document_ids=ids) == 'runs'
+        with kernels.flex_mode('off'): assert _route(m, long, document_ids=ids) == 'runs'
         assert _route(m, short, document_ids=ids[:, :2048]) == 'runs'
         ends = torch.arange(2048) < 100                                         # padding at the start: runs
         assert _route(m, short, document_ids=ids[:, :2048], key_padding_mask=ends[None]) == 'runs'
         split = (torch.arange(2048) // 100) == 3                               # padding inside a row moves
         assert _route(m, short, key_padding_mask=split[None]) == 'dense'       # the distances: the dense mask
     assert _route(m, long.requires_grad_(), document_ids=ids) == 'runs'          # a backward: no CPU Flex
-    assert not masks._cuts_into_runs(None, None, None, short[:, None])           # no padding, no documents
+    assert not kernels._cuts_into_runs(None, None, None, short[:, None])           # no padding, no documents
 
 
 def test_gapless_is_padding_at_the_ends_of_each_row_only():
     T = torch.arange(10)
     for pad, expected in [(T < 3, True), (T >= 7, True), ((T < 2) | (T >= 8), True), (T < 10, True),
                           (T < 0, True), ((T >= 4) & (T < 6), False), (T % 3 == 1, False)]:
-        assert masks._gapless(torch.stack([T >= 5, pad])) is expected, pad   # row 0 is gapless
+        assert kernels._gapless(torch.stack([T >= 5, pad])) is expected, pad   # row 0 is gapless
 
 
 @pytest.mark.parametrize('kind', ['window', 'softcap', 'sinks'])
@@ -389,7 +390,7 @@ def test_a_padded_window_in_a_whole_compiled_graph_keeps_the_dense_mask():
     """Runs need the host to read the padding (is it at the ends of each row?), which a graph compiled with
     fullgraph=True cannot do: there a padded window keeps the dense mask, as before, and equals eager on real tokens."""
     torch.manual_seed(0)
-    m = masks.MultiHeadAttention(16, 16, 1100, num_heads=2, window=64)
+    m = kernels.MultiHeadAttention(16, 16, 1100, num_heads=2, window=64)
     x = torch.randn(2, 1100, 16, requires_grad=True)
     pad = torch.arange(1100) >= torch.tensor([[1100], [900]])
     torch._dynamo.reset()
@@ -405,9 +406,9 @@ def test_runs_go_one_call_each_only_where_the_calls_pay():
     (d 64 and 256, with and without a window): at 1,100 tokens 32 runs were 0.6-1.07x the dense mask's time and 128
     runs 1.1-2.8x; at 4,096 tokens 255 runs were 0.3-0.83x. So at most n² / RUN_WORTH runs go by run, and never more
     than RUNS_MAX (exactly RUNS_MAX do: it is a count of runs)."""
-    def few(n, count): return masks._cpu_runs(None, (torch.arange(n) * count // n)[None], None) is not None
-    assert few(4096, masks.RUNS_MAX) and not few(4096, masks.RUNS_MAX + 1)
-    most = 1100 * 1100 // masks.RUN_WORTH                                            # 73
+    def few(n, count): return kernels._cpu_runs(None, (torch.arange(n) * count // n)[None], None) is not None
+    assert few(4096, kernels.RUNS_MAX) and not few(4096, kernels.RUNS_MAX + 1)
+    most = 1100 * 1100 // kernels.RUN_WORTH                                            # 73
     assert few(1100, most) and not few(1100, most + 1)
 
 

@@ -217,6 +217,18 @@ def test_modules_are_named_for_what_they_hold_and_old_names_still_import():
                                   'selfattn_nbdev.gqa_window_rope', 'selfattn_nbdev.llama_attention'], out.stderr
 
 
+def test_the_kernels_of_masks_still_import_from_masks():
+    "pick_kernel, flex_mode, unpad ... moved from masks to kernels, their own module; the old import path still works."
+    import subprocess, sys
+    code = ("from selfattn_nbdev.masks import pick_kernel, flex_mode, attention_kernel, unpad, varlen_attend\n"
+            "import selfattn_nbdev.masks as m, selfattn_nbdev.kernels as k\n"
+            "assert all(getattr(m, n) is getattr(k, n) for n in k.__all__)\n"
+            "print(pick_kernel.__module__, unpad.__module__)")
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ['selfattn_nbdev.kernels'] * 2, out.stderr
+    assert 'pick_kernel' not in (PACKAGE / 'masks.py').read_text()  # written once, in kernels
+
+
 def _llama(num_layers=4):
     from selfattn_nbdev.models import Llama
     torch.manual_seed(0)

@@ -17,7 +17,9 @@ llama.cpp's is. Recorded:
   guards on torch's thread count: the first call at another count compiles again), with an empty kernel cache
   (TORCHINDUCTOR_CACHE_DIR, a new folder unless set), as on a first run;
 - `gemv_kernel`: per shape and thread count, the kernel the package's `gemv_kernel` chose for one token's products
-  (the BLAS behind F.linear, or oneDNN) and `gemm_kernel` for a prompt's, and the seconds each measurement took;
+  (the BLAS behind F.linear, or oneDNN), `gemm_kernel` for a prompt's and `compiled_gemv_kernel` for a compiled
+  step's one row (Inductor's loop, row_dot, or the BLAS), and the seconds each measurement took (the last includes
+  its compile, with an empty kernel cache);
 - `prefill_ms`: per shape and thread count, one forward over a 512-token prompt with the measured kernels and with
   every product by the BLAS, medians of twice the rounds, in turns, each first in half of them;
 - `peers`: 1 and 2 threads, a 32-token prompt and 64 new tokens at batch 1, rounds interleaving the package's
@@ -129,10 +131,13 @@ def ours_rate(model, ids, new, static=None, compile=False, kernel=None) -> tuple
 
 
 def chosen_kernel(model) -> dict:
-    "What `gemv_kernel` (one row) and `gemm_kernel` (a prompt's rows) choose at this thread count (kept after)."
+    """What `gemv_kernel` (one row), `gemm_kernel` (a prompt's rows) and `compiled_gemv_kernel` (a compiled step's
+    one row: Inductor's loop or the BLAS) choose at this thread count (kept after), and the seconds each took."""
     start = time.perf_counter(); kernel = decoding.gemv_kernel(model); gemv_s = time.perf_counter() - start
     start = time.perf_counter(); prompt = decoding.gemm_kernel(model); gemm_s = time.perf_counter() - start
-    return dict(kernel=kernel, seconds=gemv_s, prompt_kernel=prompt, prompt_seconds=gemm_s)
+    start = time.perf_counter(); compiled = decoding.compiled_gemv_kernel(model); loop_s = time.perf_counter() - start
+    return dict(kernel=kernel, seconds=gemv_s, prompt_kernel=prompt, prompt_seconds=gemm_s,
+                compiled_kernel=compiled, compiled_seconds=loop_s)
 
 
 def prefill_ms(model, ids, kernel=None) -> float:
@@ -317,7 +322,8 @@ def main():
                                       gemv_row_major=gemv_rate(ours, False), gemv_column_major=gemv_rate(ours, True),
                                       gemv_onednn=gemv_rate(ours, False, onednn=True))
         chosen = {}
-        decoding._MEASURED.clear()  # measured afresh, once a thread count: what every later call uses
+        decoding._MEASURED.clear(); decoding._LOOPED.clear()  # measured afresh, once a thread count: what
+                                                               # every later call uses
         for threads in (1, 2):
             torch.set_num_threads(threads)
             chosen[f'{threads}'] = chosen_kernel(ours)

@@ -5,8 +5,8 @@
 # %% auto #0
 __all__ = ['DECODE_MIN_BOUND', 'GEMV_ROWS', 'GEMM_PROBE_ROWS', 'KERNELS', 'PROBE_PASSES', 'PROBE_WIN', 'decode_bound',
            'StaticKVCache', 'stack_weights', 'stacked', 'project', 'onednn_linear', 'row_dot', 'gemv_kernel',
-           'gemm_kernel', 'faster_products', 'penalize_repeats', 'keep_min_p', 'sample_next', 'generate_stream',
-           'generate']
+           'gemm_kernel', 'compiled_gemv_kernel', 'faster_products', 'penalize_repeats', 'keep_min_p', 'sample_next',
+           'generate_stream', 'generate']
 
 # %% ../nbs/07_batches.ipynb #312f198d
 import collections, inspect, math, threading, time, warnings
@@ -323,16 +323,16 @@ def row_dot(
 
 class _Routed:
     "A linear's forward in `faster_products`: its kernels for few rows and for many."
-    def __init__(self, linear, few, many, compiled):
-        self.linear, self.few, self.many, self.compiled = linear, few, many, compiled
+    def __init__(self, linear, few, many, loop):  # loop: a compiled row by row_dot
+        self.linear, self.few, self.many, self.loop = linear, few, many, loop
         self.holders = 0
     def __call__(self, x): return self.product(x, self.linear.weight, self.linear.bias)
     def product(self, x:Tensor, weight:Tensor, bias:Tensor|None=None) -> Tensor:
         if torch.is_grad_enabled() or x.dtype != weight.dtype:
             return F.linear(x, weight, bias)  # training (autograd's), or a cast
         rows = x.numel() // max(x.shape[-1], 1)
-        if torch.compiler.is_compiling():  # one row: Inductor's loop, not a BLAS call
-            return (row_dot(x, weight, bias) if self.compiled and rows == 1
+        if torch.compiler.is_compiling():  # one row: Inductor's loop where it is faster
+            return (row_dot(x, weight, bias) if self.loop and rows == 1
                     else F.linear(x, weight, bias))
         kernel = self.few if rows <= GEMV_ROWS else self.many
         if kernel == 'onednn' and x.is_contiguous():
@@ -361,13 +361,18 @@ _MEASURED = {}  # (rows, threads, the shapes read, all of `most`) -> 'onednn' | 
 PROBE_PASSES = 7  # passes of each kernel, alternated: BLAS, oneDNN, BLAS, ...
 PROBE_WIN = 0.95  # oneDNN when its best pass takes under this of BLAS's best
 
-def _faster(linears:list, rows:int, most:int) -> str: # most: bytes of weights read
-    "The faster kernel for `rows` rows on the linears' first `most` bytes of weights."
+def _first_weights(linears:list, most:int) -> tuple: # ([weight, ...], their bytes)
+    "The linears' distinct weights, in order, until they hold `most` bytes."
     weights, seen, total = [], set(), 0
     for m in linears:
         if total >= most: break
         w = m._parameters['weight']  # (nn.Module's attribute lookup costs more)
         if id(w) not in seen: seen.add(id(w)); weights.append(w); total += w.nbytes
+    return weights, total
+
+def _faster(linears:list, rows:int, most:int) -> str: # most: bytes of weights read
+    "The faster kernel for `rows` rows on the linears' first `most` bytes of weights."
+    weights, total = _first_weights(linears, most)
     if not weights: return 'blas'
     shapes = tuple(sorted({tuple(w.shape) for w in weights}))
     key = (rows, torch.get_num_threads(), shapes, total >= most)  # other widths, or
@@ -405,11 +410,50 @@ def gemm_kernel(
     if linears is None: linears = _linears(model)
     return _faster(linears, GEMM_PROBE_ROWS, 16 * 2**20)  # arithmetic, not bytes
 
+def _loop_product(x:Tensor, W:Tensor) -> Tensor: # (1, d_in), (k, d_out, d_in) -> (k, d_out)
+    return (x.unsqueeze(-2) * W).sum(-1)  # row_dot's sum, compiled: one loop over k weights
+
+_LOOPED = {}  # (threads, k, d_out, d_in) -> 'loop' | 'blas'
+
+def compiled_gemv_kernel(
+    model:nn.Module, # its plain float32 CPU linears are what a compiled decode step reads
+    linears:list|None=None, # those linears, if found already (None: found here)
+) -> str: # 'loop' (row_dot, compiled by Inductor) or 'blas' (F.linear, called by the graph)
+    "Which multiplies one token by the weights faster in a compiled step here: measured once."
+    if linears is None: linears = _linears(model)
+    weights, _ = _first_weights(linears, 64 * 2**20)
+    if not weights: return 'blas'
+    shape = max({w.shape for w in weights},  # the shape that holds the most bytes
+                key=lambda s: sum(w.nbytes for w in weights if w.shape == s))
+    group = [w.detach() for w in weights if w.shape == shape]
+    key = (torch.get_num_threads(), len(group), *shape)
+    if key in _LOOPED: return _LOOPED[key]
+    W = torch.stack(group)  # (k, d_out, d_in): a copy, for the probe only
+    x = torch.randn(1, W.shape[-1], generator=torch.Generator().manual_seed(0))
+    try:  # no C++ compiler, or Dynamo out of room: BLAS, and the step itself will say
+        with torch.no_grad():
+            _forget_old_main()  # a notebook's copy of _loop_product (see the core)
+            loop = torch.compile(_loop_product, fullgraph=True, dynamic=False)
+            by_loop, by_blas = _with_room(loop, x, W), W @ x[0]  # (k, d_out)
+            if not (by_loop - by_blas).abs().max() <= 1e-4 * (x.abs() @ W.abs().mT).max():
+                return 'blas'
+            times = {'blas': [], 'loop': []}
+            xs, whole = {W.shape[-1]: x}, lambda x, w: loop(x, W)  # whole: all k at once
+            for _ in range(PROBE_PASSES):  # alternated, as _faster's; each at its best
+                times['blas'].append(_timed(F.linear, list(W), xs))
+                times['loop'].append(_timed(whole, W[:1], xs))
+    except Exception as e:
+        warnings.warn(f"compiled_gemv_kernel: row_dot did not compile ({type(e).__name__}: "
+                      f"{e}); a compiled step multiplies one row by F.linear's BLAS")
+        return 'blas'
+    _LOOPED[key] = 'loop' if min(times['loop']) < PROBE_WIN * min(times['blas']) else 'blas'
+    return _LOOPED[key]
+
 @contextmanager
 def faster_products(
     model:nn.Module, # the model whose linears compute by the kernels in the block
     kernel:str|None=None, # one of KERNELS for all rows; None: measured, few and many
-    compiled:bool=False, # a compiled step traced in the block: one row by row_dot
+    compiled:bool=False, # a compiled step traced in the block: one row by row_dot where faster
 ):
     "Within the block, the model's plain linears multiply rows by the faster kernel."
     if kernel is not None and kernel not in KERNELS:
@@ -418,15 +462,16 @@ def faster_products(
     linears = _linears(model)  # found once: every entry of a serving step pays it
     few, many = ((gemv_kernel(model, linears), gemm_kernel(model, linears))
                  if kernel is None else (kernel, kernel))
+    loop = compiled and compiled_gemv_kernel(model, linears) == 'loop'
     routed = []
-    if (few, many, compiled) != ('blas', 'blas', False):
+    if (few, many, loop) != ('blas', 'blas', False):
         with _holding:  # counted: a linear another block holds stays routed for it
             for m in linears:
                 if not isinstance(m.__dict__.get('forward'), _Routed):
                     # one object per choice: what a compiled step guards on
                     kept = m.__dict__.setdefault('_routed', {})
-                    m.forward = kept.setdefault((few, many, compiled),
-                                                _Routed(m, few, many, compiled))
+                    m.forward = kept.setdefault((few, many, loop),
+                                                _Routed(m, few, many, loop))
                 m.forward.holders += 1; routed.append(m)
     try: yield model
     finally:
@@ -667,12 +712,15 @@ def generate_stream(
     step = _decode_step(model, compile) if use_cache else None
     # without a cache, a fresh one for every prefix, only to place the padding
     fresh = lambda n: None if pads is None else model.new_caches(capacity=n, pads=pads)
+    # row_dot is a loop only once Inductor compiles it: another backend would make it whole
+    inductor = compile is True or (compile is not False
+                                   and compile.get('backend', 'inductor') == 'inductor')
     @torch.no_grad()
     def stream():  # checked when called, above; it runs from the first next()
         was_training = model.training
         model.eval()  # no dropout while writing; the caller's mode comes back after
         try:  # q, k, v (and a gate and up) in one product each while it writes
-            with stacked(model), faster_products(model, compiled=compile is not False):
+            with stacked(model), faster_products(model, compiled=inductor):
                 yield from _decode(model, token_ids, max_new_tokens, caches, step,
                                    sample, stops, pad_id, fresh)
         finally: model.train(was_training)

@@ -7,8 +7,8 @@ from torch import nn
 import selfattn_nbdev.decoding as decoding
 from selfattn_nbdev import generate
 from selfattn_nbdev.models import GPT2, Llama
-from selfattn_nbdev.decoding import (GEMV_ROWS, faster_products, gemm_kernel, gemv_kernel, onednn_linear, row_dot,
-                                     stacked)
+from selfattn_nbdev.decoding import (GEMV_ROWS, compiled_gemv_kernel, faster_products, gemm_kernel, gemv_kernel,
+                                     onednn_linear, row_dot, stacked)
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason='a build without oneDNN')
 
@@ -223,12 +223,14 @@ def test_row_dot_is_the_product():
     torch.testing.assert_close(row_dot(x[0, 0], w), F.linear(x[0, 0], w), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize('compiled', [True, False])
-def test_a_compiled_step_takes_row_dot_for_one_row_only(compiled, monkeypatch):
-    "Traced by Dynamo (is_compiling): told it is compiled, one row is row_dot; more rows, or not told, F.linear."
+@pytest.mark.parametrize('compiled,measured', [(True, 'loop'), (True, 'blas'), (False, 'loop')])
+def test_a_compiled_step_takes_row_dot_for_one_row_only_where_measured_faster(compiled, measured, monkeypatch):
+    """Traced by Dynamo (is_compiling): told it is compiled and row_dot measured faster, one row is row_dot; more rows,
+    row_dot slower (the graph calls the BLAS), or not told, F.linear."""
     model, dots = _llama(), []
     real = decoding.row_dot
     monkeypatch.setattr(decoding, 'row_dot', lambda *a: dots.append(a[0].shape) or real(*a))
+    monkeypatch.setattr(decoding, 'compiled_gemv_kernel', lambda model, linears=None: measured)
     calls = _count(monkeypatch)
     with torch.no_grad(), faster_products(model, 'onednn', compiled=compiled):
         eager = model(torch.randint(0, 64, (1, 1), generator=torch.Generator().manual_seed(0)))
@@ -236,11 +238,49 @@ def test_a_compiled_step_takes_row_dot_for_one_row_only(compiled, monkeypatch):
         traced = model(torch.randint(0, 64, (1, 1), generator=torch.Generator().manual_seed(0)))
         model(torch.randint(0, 64, (2, 1)))                       # two rows: F.linear
     linears = sum(type(m) is nn.Linear for m in model.modules())
-    assert len(dots) == (linears if compiled else 0)
+    assert len(dots) == (linears if compiled and measured == 'loop' else 0)
     assert len(calls) == linears                                  # the eager call only: oneDNN
     torch.testing.assert_close(traced, eager, rtol=1e-5, atol=1e-5)
     with pytest.raises(TypeError, match="compiled must be True or False; got 'yes'"):
         with faster_products(model, compiled='yes'): pass
+
+
+def test_compiled_gemv_kernel_measures_once_and_keeps_a_clear_win_only(monkeypatch):
+    "The compiled loop against the BLAS, seven passes each on the largest group of one shape; kept per thread count."
+    model = _llama()
+    monkeypatch.setattr(decoding, '_LOOPED', {})
+    monkeypatch.setattr(torch, 'compile', lambda fn, **options: fn)   # eager row_dot: the rule, not Inductor
+    timed = []
+    def fake(kernel, weights, xs):  # the loop takes `ratio` of BLAS's time
+        timed.append(len(weights))
+        return 1.0 if kernel is F.linear else ratio
+    monkeypatch.setattr(decoding, '_timed', fake)
+    ratio = 0.8
+    assert compiled_gemv_kernel(model) == 'loop' and len(timed) == 14
+    assert compiled_gemv_kernel(model) == 'loop' and len(timed) == 14  # kept: not measured again
+    # the largest group of one shape: the MLP's gate and up weights (128, 32), two a layer: four, timed one by one
+    # by the BLAS, and all at once by the loop
+    assert sorted(set(timed)) == [1, 4] and [*decoding._LOOPED][0][1:] == (4, 128, 32)
+    decoding._LOOPED.clear(); ratio = 0.97                          # within 5 %: the BLAS stays
+    assert compiled_gemv_kernel(model) == 'blas'
+
+
+def test_a_row_dot_that_does_not_compile_leaves_the_blas_and_says_so(monkeypatch):
+    model = _llama()
+    monkeypatch.setattr(decoding, '_LOOPED', {})
+    def no_compiler(fn, **options): raise RuntimeError('no C++ compiler found')
+    monkeypatch.setattr(torch, 'compile', no_compiler)
+    with pytest.warns(UserWarning, match=r"row_dot did not compile \(RuntimeError: no C\+\+ compiler found\)"):
+        assert compiled_gemv_kernel(model) == 'blas'
+    assert decoding._LOOPED == {}                                   # not kept: asked again next time
+
+
+def test_compiled_gemv_kernel_really_compiles_row_dot_here():
+    "Inductor's loop, compiled for a small model's weights on this machine: a kernel named, kept for the next call."
+    model = _llama()
+    answer = compiled_gemv_kernel(model)
+    assert answer in ('loop', 'blas') and compiled_gemv_kernel(model) == answer
+    assert any(key[0] == torch.get_num_threads() for key in decoding._LOOPED)
 
 
 def _family(kind):
@@ -270,3 +310,15 @@ def test_every_native_family_decodes_by_onednn_to_the_same_tokens(kind, monkeypa
     assert len(calls) >= 8 and _routed(model) == 0
     _choose(monkeypatch, 'blas', 'blas')
     assert torch.equal(by_onednn, generate(model, prompt, 8))
+
+
+@pytest.mark.parametrize('compile,loops', [(dict(backend='eager'), False), (dict(backend='aot_eager'), False),
+                                           (dict(fullgraph=True, dynamic=False), True)])
+def test_generate_asks_for_row_dot_only_when_inductor_compiles_the_step(compile, loops, monkeypatch):
+    "Another backend runs row_dot as written, a (d_out, d_in) product a linear: the step keeps the BLAS there."
+    model, told = _llama(), []
+    monkeypatch.setattr(decoding, 'compiled_gemv_kernel', lambda model, linears=None: told.append(model) or 'blas')
+    prompt = torch.randint(0, 64, (1, 4), generator=torch.Generator().manual_seed(0))
+    if loops: monkeypatch.setattr(decoding, '_decode_step', lambda model, compile: model)  # no real compile here
+    assert torch.equal(generate(model, prompt, 3, compile=compile), generate(model, prompt, 3))
+    assert len(told) == loops

@@ -204,6 +204,8 @@ def profile_step(model, kernel=None) -> dict:
 
 
 COMPILED_KINDS = [('the graph: weight products, norms, RoPE, element-wise (fused kernels)', ('## Call CompiledFxGraph',)),
+                  ('weight products by the BLAS or oneDNN (called from the graph)', ('aten::mm', 'aten::addmm',
+                                                                                     'mkldnn::')),
                   ('attention (SDPA, called from the graph)', ('scaled_dot_product',)),
                   ("guards (Dynamo's cache lookup)", ('TorchDynamo Cache Lookup',)),
                   ('the runtime around the graph', ('Torch-Compiled Region', 'AOTDispatcher', 'Pregraph'))]

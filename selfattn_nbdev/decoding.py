@@ -410,16 +410,17 @@ def gemm_kernel(
     if linears is None: linears = _linears(model)
     return _faster(linears, GEMM_PROBE_ROWS, 16 * 2**20)  # arithmetic, not bytes
 
-def _loop_product(x:Tensor, W:Tensor) -> Tensor: # (1, d_in), (k, d_out, d_in) -> (k, d_out)
-    return (x.unsqueeze(-2) * W).sum(-1)  # row_dot's sum, compiled: one loop over k weights
+def _loop_product(x:Tensor, W:Tensor) -> Tensor: # (1, d_in), (k, d_out, d_in)
+    return (x.unsqueeze(-2) * W).sum(-1)  # (k, d_out): row_dot's sum, one loop
 
 _LOOPED = {}  # (threads, k, d_out, d_in) -> 'loop' | 'blas'
+_LOOP_GRAPHS = 64  # the shapes the probe may compile in a process
 
 def compiled_gemv_kernel(
-    model:nn.Module, # its plain float32 CPU linears are what a compiled decode step reads
+    model:nn.Module, # its plain float32 CPU linears: what a compiled step reads
     linears:list|None=None, # those linears, if found already (None: found here)
-) -> str: # 'loop' (row_dot, compiled by Inductor) or 'blas' (F.linear, called by the graph)
-    "Which multiplies one token by the weights faster in a compiled step here: measured once."
+) -> str: # 'loop' (row_dot, compiled by Inductor) or 'blas' (F.linear, from the graph)
+    "Which multiplies one token by the weights faster in a compiled step: measured once"
     if linears is None: linears = _linears(model)
     weights, _ = _first_weights(linears, 64 * 2**20)
     if not weights: return 'blas'
@@ -430,30 +431,32 @@ def compiled_gemv_kernel(
     if key in _LOOPED: return _LOOPED[key]
     W = torch.stack(group)  # (k, d_out, d_in): a copy, for the probe only
     x = torch.randn(1, W.shape[-1], generator=torch.Generator().manual_seed(0))
-    try:  # no C++ compiler, or Dynamo out of room: BLAS, and the step itself will say
-        with torch.no_grad():
+    config, limit = torch._dynamo.config, _limit_name()
+    try:  # no C++ compiler, say: the BLAS, and the step's own compile will say why
+        with torch.no_grad(), config.patch(**{limit: max(getattr(config, limit),
+                                                         _LOOP_GRAPHS)}):
             _forget_old_main()  # a notebook's copy of _loop_product (see the core)
             loop = torch.compile(_loop_product, fullgraph=True, dynamic=False)
-            by_loop, by_blas = _with_room(loop, x, W), W @ x[0]  # (k, d_out)
-            if not (by_loop - by_blas).abs().max() <= 1e-4 * (x.abs() @ W.abs().mT).max():
-                return 'blas'
-            times = {'blas': [], 'loop': []}
-            xs, whole = {W.shape[-1]: x}, lambda x, w: loop(x, W)  # whole: all k at once
+            error = (loop(x, W) - W @ x[0]).abs().max()  # (k, d_out) compared
+            if not error <= 1e-4 * (x.abs() @ W.abs().mT).max(): return 'blas'
+            times, xs = {'blas': [], 'loop': []}, {W.shape[-1]: x}
             for _ in range(PROBE_PASSES):  # alternated, as _faster's; each at its best
                 times['blas'].append(_timed(F.linear, list(W), xs))
-                times['loop'].append(_timed(whole, W[:1], xs))
+                times['loop'].append(_timed(lambda x, _: loop(x, W), W[:1], xs))
     except Exception as e:
-        warnings.warn(f"compiled_gemv_kernel: row_dot did not compile ({type(e).__name__}: "
-                      f"{e}); a compiled step multiplies one row by F.linear's BLAS")
+        warnings.warn(f"compiled_gemv_kernel: row_dot did not compile "
+                      f"({type(e).__name__}: {e}); a compiled step multiplies one "
+                      f"row by F.linear's BLAS")
         return 'blas'
-    _LOOPED[key] = 'loop' if min(times['loop']) < PROBE_WIN * min(times['blas']) else 'blas'
+    faster = min(times['loop']) < PROBE_WIN * min(times['blas'])
+    _LOOPED[key] = 'loop' if faster else 'blas'
     return _LOOPED[key]
 
 @contextmanager
 def faster_products(
     model:nn.Module, # the model whose linears compute by the kernels in the block
     kernel:str|None=None, # one of KERNELS for all rows; None: measured, few and many
-    compiled:bool=False, # a compiled step traced in the block: one row by row_dot where faster
+    compiled:bool=False, # a compiled step traced in the block: row_dot if faster
 ):
     "Within the block, the model's plain linears multiply rows by the faster kernel."
     if kernel is not None and kernel not in KERNELS:
@@ -712,7 +715,7 @@ def generate_stream(
     step = _decode_step(model, compile) if use_cache else None
     # without a cache, a fresh one for every prefix, only to place the padding
     fresh = lambda n: None if pads is None else model.new_caches(capacity=n, pads=pads)
-    # row_dot is a loop only once Inductor compiles it: another backend would make it whole
+    # row_dot is a loop once Inductor compiles it: another backend makes it whole
     inductor = compile is True or (compile is not False
                                    and compile.get('backend', 'inductor') == 'inductor')
     @torch.no_grad()

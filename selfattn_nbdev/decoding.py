@@ -359,7 +359,7 @@ def _timed(kernel, weights:list, xs:dict) -> float: # seconds for one pass
 
 _MEASURED = {}  # (rows, threads, the shapes read, all of `most`) -> 'onednn' | 'blas'
 PROBE_PASSES = 7  # passes of each kernel, alternated: BLAS, oneDNN, BLAS, ...
-PROBE_WIN = 0.95  # oneDNN when its best pass takes under this of BLAS's best
+PROBE_WIN = 0.95  # oneDNN (or the loop) if its best pass is under this of BLAS's best
 
 def _first_weights(linears:list, most:int) -> tuple: # ([weight, ...], their bytes)
     "The linears' distinct weights, in order, until they hold `most` bytes."
@@ -411,7 +411,9 @@ def gemm_kernel(
     return _faster(linears, GEMM_PROBE_ROWS, 16 * 2**20)  # arithmetic, not bytes
 
 def _loop_product(x:Tensor, W:Tensor) -> Tensor: # (1, d_in), (k, d_out, d_in)
-    return (x.unsqueeze(-2) * W).sum(-1)  # (k, d_out): row_dot's sum, one loop
+    # row_dot's sum, written out: a notebook's copy calling another module's function
+    # leaves Dynamo a KeyError at exit under execnb
+    return (x.unsqueeze(-2) * W).sum(-1)  # (k, d_out): one loop
 
 _LOOPED = {}  # (threads, k, d_out, d_in) -> 'loop' | 'blas'
 _LOOP_GRAPHS = 64  # the shapes the probe may compile in a process

@@ -58,11 +58,9 @@ _all_ = ['SelfAttention', 'check_tokens', 'check_size', 'check_flag', 'check_cou
 # two modules are named for what they hold (GQA, windows and RoPE; the attention of
 # Llama-style models): their old names, from when they appeared, still import them
 _sys.modules.update({'selfattn_nbdev.modern': modern, 'selfattn_nbdev.recent': recent})
-# Gemma and DeepSeek-V3 have pages and modules of their own; their names still
-# import from models, where they were first written
-for _module in (_gemma, _deepseek_v3):  # by name, and with models' `import *`
-    for _name in _module.__all__: setattr(_models, _name, getattr(_module, _name))
-    _models.__all__ += [_name for _name in _module.__all__ if _name not in _models.__all__]
-# the kernels that run a mask have a page and a module of their own; their public
-# names still import from masks, where they were first written
-for _name in _kernels.__all__: setattr(_masks, _name, getattr(_kernels, _name))
+# Gemma, DeepSeek-V3 and the kernels that run a mask have pages and modules of their
+# own; their names still import from where they were first written (models, masks),
+# by name and with that module's `import *`
+for _module, _home in ((_gemma, _models), (_deepseek_v3, _models), (_kernels, _masks)):
+    for _name in _module.__all__: setattr(_home, _name, getattr(_module, _name))
+    _home.__all__ += [_name for _name in _module.__all__ if _name not in _home.__all__]

@@ -223,6 +223,8 @@ def test_the_kernels_of_masks_still_import_from_masks():
     code = ("from selfattn_nbdev.masks import pick_kernel, flex_mode, attention_kernel, unpad, varlen_attend\n"
             "import selfattn_nbdev.masks as m, selfattn_nbdev.kernels as k\n"
             "assert all(getattr(m, n) is getattr(k, n) for n in k.__all__)\n"
+            "names = {}; exec('from selfattn_nbdev.masks import *', names)\n"
+            "assert set(k.__all__) <= set(names), set(k.__all__) - set(names)  # import * too\n"
             "print(pick_kernel.__module__, unpad.__module__)")
     out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ['selfattn_nbdev.kernels'] * 2, out.stderr

@@ -114,3 +114,19 @@ def test_the_checkpoint_benchmarks_run_small(tmp_path):
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     assert set(json.loads(out.read_text())['runs']) == {'from_hf', 'copied', 'transformers'}
+
+
+@pytest.mark.slow
+def test_gpu_round_parts_run_small_on_cpu(tmp_path):
+    """bench/gpu_round.py --small, every part the GPU round runs: each writes its rows without an error; the paged
+    step's logits are the contiguous cache's (each row's blocks scattered through the pool)."""
+    out = tmp_path / 'round.json'
+    subprocess.run([sys.executable, str(ROOT / 'bench' / 'gpu_round.py'), '--small', '--part',
+                    'linear,paged,sinks,mla', '--out', str(out)], check=True, capture_output=True, timeout=300)
+    result = json.loads(out.read_text())
+    assert {'linear', 'paged', 'sinks', 'mla'} <= set(result), sorted(result)
+    assert not [k for k in result if k.endswith('_error')], result   # a part that raised
+    rows = result['paged']['rows']
+    assert set(rows) == {'40', '100'} and not [r for r in rows.values() if 'error' in r], rows
+    assert all(r['logits_paged_vs_contiguous'] < 1e-4 for r in rows.values())
+    assert all(r['paged_step_ms'] > 0 and r['contiguous_step_ms'] > 0 for r in rows.values())

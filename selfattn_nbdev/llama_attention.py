@@ -175,6 +175,9 @@ def _then_capped(score_mod:Callable, cap:float) -> Callable: # one per pair, as 
 def _score_mod(self:LlamaAttention, score_mod:Callable|None=None) -> Callable|None:
     "The caller's score function, then the module's soft cap (Gemma 2)."
     if self.softcap is None: return score_mod
+    if torch.compiler.is_compiling():  # a graph inlines the function: no cache to ask
+        return (soft_cap_mod.__wrapped__(self.softcap) if score_mod is None  # (Dynamo
+                else _then_capped.__wrapped__(score_mod, self.softcap))  # warns on one)
     if score_mod is None: return soft_cap_mod(self.softcap)
     return _then_capped(score_mod, self.softcap)
 

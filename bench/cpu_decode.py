@@ -25,7 +25,9 @@ llama.cpp's is. Recorded:
 - `peers`: 1 and 2 threads, a 32-token prompt and 64 new tokens at batch 1, rounds interleaving the package's
   `generate` (growing caches; its products by the kernel `gemv_kernel` chose), the same with every product by the
   BLAS (`package generate (BLAS)`: what `generate` did before it measured), `generate(static=True)` and
-  `generate(compile=True)`, transformers' `generate`
+  `generate(compile=True)` (on a CPU, Inductor's calls between kernels in C++: `cpp_wrapper`) and the same
+  compiled with those calls in Python (`package compiled (Python wrapper)`: what `compile=True` did before),
+  transformers' `generate`
   (dynamic and static cache) and llama.cpp (skipped without `--llamacpp-python`, a Python with llama-cpp-python
   and gguf: see bench/llamacpp_child.py); medians of the rounds;
 - `costs`: at 1 thread, contexts of 32, 512 and the longest the shape takes less the new tokens (1,984 for the
@@ -145,6 +147,9 @@ def prefill_ms(model, ids, kernel=None) -> float:
     with torch.no_grad(), decoding.faster_products(model, kernel):
         start = time.perf_counter(); model(ids)
         return (time.perf_counter() - start) * 1e3
+
+
+PYTHON_WRAPPER = dict(fullgraph=True, dynamic=False)  # compile=True's options on a CPU, less its C++ wrapper
 
 
 def compile_seconds(model, ids, new) -> dict:
@@ -350,10 +355,13 @@ def main():
         compiles = {}
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            with torch.no_grad(): compiles[f'{threads}'] = compile_seconds(ours, ids, NEW)
+            with torch.no_grad():
+                compiles[f'{threads}'] = compile_seconds(ours, ids, NEW)
+                generate(ours, ids, NEW, stop_ids=[], compile=PYTHON_WRAPPER)  # its graphs too, before the rounds
         result['shapes'][name]['compile'] = compiles
         print(name, 'compile', compiles, flush=True)
     systems = ['package generate', 'package generate (BLAS)', 'package static', 'package compiled',
+               'package compiled (Python wrapper)',
                'transformers dynamic', 'transformers static']
     if args.llamacpp_python: systems.append('llama.cpp')
     rates, equal = collections.defaultdict(list), collections.defaultdict(list)
@@ -367,6 +375,7 @@ def main():
                            'package generate (BLAS)': ours_rate(ours, ids, NEW, kernel='blas'),
                            'package static': ours_rate(ours, ids, NEW, True),
                            'package compiled': ours_rate(ours, ids, NEW, compile=True),
+                           'package compiled (Python wrapper)': ours_rate(ours, ids, NEW, compile=PYTHON_WRAPPER),
                            'transformers dynamic': hf_rate(hf, ids, NEW), 'transformers static': hf_rate(hf, ids, NEW, True)}
                 first = got['package generate'][1].tolist()
                 for k, (_, t) in got.items(): equal[name, k].append(t.tolist() == first)

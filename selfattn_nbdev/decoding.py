@@ -630,6 +630,8 @@ def _decode_step(
     # static shapes: a graph per bound (decode_bound), none traced with a symbolic one
     options = dict(fullgraph=True, dynamic=False) if compile is True else dict(compile)
     if compile is True and device.type == 'cuda': options['mode'] = 'reduce-overhead'
+    if compile is True and device.type == 'cpu':  # the host's calls between kernels:
+        options['options'] = dict(cpp_wrapper=True)  # C++, not Python (Measurements)
     compiled = torch.compile(model, **options)
     from torch._inductor import list_mode_options  # CUDA graphs: by mode, or option
     chosen = {**list_mode_options(options.get('mode') or 'default'),
@@ -682,7 +684,7 @@ def generate_stream(
     stop_ids=None, # id(s) that finish a row; None: model.eos_token_ids if set; []: none
     pad_id:int|None=None, # what a finished row yields (default: its stop id)
     generator:torch.Generator|None=None, # seeded sampling, on the model's device
-    compile=False, # True: torch.compile the decode step once (CUDA graphs on CUDA)
+    compile=False, # True: compile the decode step once (CUDA: graphs; CPU: C++ calls)
     static:bool|None=None, # StaticKVCache? None: when compiling or padding, else not
     attention_mask=None, # (b, T), 1 at a real token: prompt_ids as a tokenizer pads
 ): # yields the new token of every row, (b,), as soon as it is chosen

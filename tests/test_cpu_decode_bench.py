@@ -57,3 +57,12 @@ def test_the_compiled_profile_accounts_for_the_step():
     graph = cpu_decode.COMPILED_KINDS[0][0]
     assert prof['ms'][graph] > 0 and set(prof['ms']) >= {k for k, _ in cpu_decode.COMPILED_KINDS}
     assert sum(prof['ms'].values()) <= 1.5 * prof['profiled_step_ms']
+
+
+def test_the_python_wrapper_row_is_compile_true_less_its_cpp_wrapper(monkeypatch):
+    "The bench's `package compiled (Python wrapper)` differs from `compile=True` on a CPU by the C++ wrapper alone."
+    from selfattn_nbdev import decoding
+    seen = {}
+    monkeypatch.setattr(torch, 'compile', lambda model, **options: seen.update(options) or model)
+    decoding._decode_step(tiny('gpt2'), True)
+    assert seen == {**cpu_decode.PYTHON_WRAPPER, 'options': {'cpp_wrapper': True}}

@@ -207,7 +207,7 @@ def test_one_cache_one_module():
 
 
 def test_the_cuda_decode_step_is_a_cuda_graph(monkeypatch):
-    "The GPU path's logic on CPU: on a CUDA model, compile=True means mode='reduce-overhead', each step marked."
+    "The GPU path's logic on CPU: on a CUDA model, compile=True means mode='reduce-overhead', each step marked; on a CPU, a C++ wrapper."
     import selfattn_nbdev.decoding as gen
     seen, marks = {}, []
     monkeypatch.setattr(torch, 'compile', lambda model, **options: seen.update(options) or model)
@@ -223,8 +223,8 @@ def test_the_cuda_decode_step_is_a_cuda_graph(monkeypatch):
     assert seen == {'fullgraph': True, 'dynamic': False, 'mode': 'reduce-overhead'}
     assert step(None, None) == 'logits' and step(None, None) == 'logits' and len(marks) == 2
     seen.clear()
-    gen._decode_step(_model({}), True)                     # on CPU: no CUDA graphs
-    assert seen == {'fullgraph': True, 'dynamic': False}
+    gen._decode_step(_model({}), True)            # on CPU: no CUDA graphs; a C++ wrapper
+    assert seen == {'fullgraph': True, 'dynamic': False, 'options': {'cpp_wrapper': True}}
     seen.clear()
     assert gen._decode_step(OnCuda(), dict(backend='eager'))(None, None) == 'logits'
     assert seen == {'backend': 'eager'} and len(marks) == 2   # given options are used as they are
@@ -236,3 +236,25 @@ def test_both_caches_refuse_a_key_padding_mask(cache):
     attn = MultiHeadAttention(16, 16, 32, num_heads=4).eval()
     with pytest.raises(ValueError, match='give generate a list of prompts'):
         attn(torch.randn(2, 4, 16), key_padding_mask=torch.zeros(2, 4, dtype=torch.bool), cache=cache())
+
+
+@pytest.mark.slow
+@pytest.mark.no_cover  # coverage's tracer slows torch.compile; the eager tests cover the same lines
+def test_a_compiled_decode_step_writes_the_eager_tokens_in_every_family(tmp_path):
+    """generate(compile=True) on a CPU (a C++ wrapper around Inductor's kernels) writes the eager tokens for every
+    native family read from transformers' tiny random models, and says nothing on the way: Gemma 2's soft cap once
+    made Dynamo warn about a cached function it traced through."""
+    import warnings
+    pytest.importorskip('transformers')
+    from bench.families import families
+    from selfattn_nbdev.pretrained import from_hf
+    for name, make in families(128, 2, 256, 512).items():
+        torch.manual_seed(0)
+        make().eval().save_pretrained(tmp_path / str(len(name)) / name.split()[0])
+        model = from_hf(tmp_path / str(len(name)) / name.split()[0]).eval()
+        ids = torch.randint(0, 256, (2, 9))
+        eager = generate(model, ids, 10)
+        with warnings.catch_warnings():
+            warnings.simplefilter('error', UserWarning)  # (torch's own DeprecationWarnings pass)
+            compiled = generate(model, ids, 10, compile=True)
+        assert torch.equal(compiled, eager), name

@@ -648,8 +648,8 @@ def _decode_step(
     def step(token_ids, caches):  # the host counts the tokens and sets each bound
         nonlocal retries
         _forget_old_main()  # notebooks that share a process (nbdev_test): see the core
-        bound = None
-        for cache in caches or (): bound = cache.begin_step(token_ids.shape[1])
+        bounds_now = [cache.begin_step(token_ids.shape[1]) for cache in caches or ()]
+        bound = max((b for b in bounds_now if b is not None), default=None)  # a KV
         for i, g in enumerate(groups):  # a stack the step may read: checked now
             g[0].__dict__['_stack_checked'] = holds(i, g)
         if graphs: torch.compiler.cudagraph_mark_step_begin()  # a CUDA graph per step

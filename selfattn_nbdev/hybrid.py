@@ -72,6 +72,7 @@ def _rotary_dim(factor, head_dim:int, scaling:dict|None) -> int: # numbers turne
 
 # %% ../nbs/20_hybrid.ipynb #5543f89f
 _GATES = contextvars.ContextVar("gates")  # id(module) -> its gate, in this call only
+_TRACED_GATES = {}  # the same inside a compiled step, which cannot read a ContextVar
 
 @patch
 def _qkv(self:GatedAttention,
@@ -83,7 +84,7 @@ def _qkv(self:GatedAttention,
     b, T, _ = x.shape
     both = both.view(b, T, self.num_heads, 2 * self.head_dim)  # (b, T, h, 2 hd)
     queries, gate = both.split(self.head_dim, dim=-1)           # (b, T, h, hd) each
-    gates = _GATES.get(None)
+    gates = _TRACED_GATES if torch.compiler.is_compiling() else _GATES.get(None)
     if gates is None: gates = {}; _GATES.set(gates)   # this thread's, this task's
     gates[id(self)] = gate.reshape(b, T, -1)                    # (b, T, h hd)
     return [queries.transpose(1, 2), self._split_heads(keys),
@@ -96,7 +97,8 @@ def _merge_heads(self:GatedAttention,
     "The heads side by side, each number times the sigmoid of its gate (1)."
     merged = LlamaAttention._merge_heads(self, context)         # (b, T, h hd)
     if not self.output_gate: return merged
-    gate = _GATES.get({}).pop(id(self), None)        # taken: nothing stays behind
+    gates = _TRACED_GATES if torch.compiler.is_compiling() else _GATES.get({})
+    gate = gates.pop(id(self), None)                 # taken: nothing stays behind
     if gate is None or gate.shape != merged.shape:
         raise RuntimeError("GatedAttention's gate comes from _qkv in the same call; "
                            "call the module, not _merge_heads alone")
@@ -108,7 +110,7 @@ class HybridCache(RecurrentCache):
     def __init__(self, pads:Tensor|None=None): # int (b,): padding tokens left of a row
         super().__init__()
         if pads is not None: check_token_ids(pads, math.inf, "pads", dims=(1,))
-        self.pads = pads
+        self.pads, self._first_column = pads, None  # the last: set by begin_step
 
     def __repr__(self):
         pads = None if self.pads is None else self.pads.tolist()
@@ -121,15 +123,26 @@ class HybridCache(RecurrentCache):
                    ) -> Tensor|None: # bool (b, num_new), True at a real token
         "Which of the next num_new columns hold real tokens; None: no padding."
         if self.pads is None: return None
-        columns = self.seen + torch.arange(num_new, device=device)       # (T,)
+        columns = self._first(device) + torch.arange(num_new, device=device)  # (T,)
         return columns[None] >= self.pads.to(device)[:, None]             # (b, T)
 
-    def begin_step(self, num_new:int):
-        "What a compiled decode step asks first: refused, saying what works instead."
-        raise ValueError("compile=True is not supported for a hybrid model: "
-                         "GatedDeltaNet checks its gates and state on the host at "
-                         "every call; use compile=False (static caches and padding "
-                         "work)")
+    def positions(self, num_new:int, device=None) -> Tensor: # (1, num_new)
+        "Where the new tokens stand: after the ones seen."
+        return (self._first(device) + torch.arange(num_new, device=device))[None]
+
+    def _first(self, device) -> int|Tensor: # the first new token's column
+        "seen; in a compiled step, the tensor `begin_step` set (no number to guard on)."
+        if not torch.compiler.is_compiling(): return self.seen
+        if self._first_column is None:
+            raise ValueError("a compiled call with a HybridCache needs "
+                             "cache.begin_step(num_new) on the host first, as "
+                             "generate(compile=True) does")
+        return self._first_column.to(device)
+
+    def begin_step(self, num_new:int) -> None:
+        "The host's half of a compiled step (as `StaticKVCache`'s): count its tokens."
+        self._first_column = torch.tensor(self.seen)
+        self.seen += num_new
 
 class HybridBlock(nn.Module):
     "Qwen3.5's block: (1 + w) RMSNorm, a token mixer, RMSNorm, SwiGLU; two residuals."
@@ -251,6 +264,7 @@ def _check_call(self:Qwen35,
     "Ids in the vocabulary; one cache of the right kind per block; the context."
     check_token_ids(token_ids, self.vocab_size, dims=(2,),
                     device=self.token_emb.weight.device)
+    if torch.compiler.is_compiling(): return  # compiled: generate checked it all
     seen = 0
     if caches is not None:
         if not isinstance(caches, (list, tuple)) or len(caches) != len(self.blocks):
@@ -375,6 +389,9 @@ class SharedKV:
 
     def check_new_tokens(self, x, key_padding_mask, module) -> None:
         "Nothing to check: the source layer checked the same tokens."
+
+    def begin_step(self, num_new:int) -> None:
+        "A compiled step's host: nothing to count, the source counts the tokens."
 
     def positions(self, num_new:int, device=None) -> Tensor: # (b | 1, num_new)
         "The positions the source's cache gave the same new tokens."

@@ -43,6 +43,8 @@ def _check_delta_inputs(q, k, v, g, beta, scale, initial_state,
                          f"got g {_shape(g)}")
     if tuple(beta.shape) != (b, T, h_v):
         raise ValueError(f"beta must be {b}x{T}x{h_v} (b, T, h_v); got {_shape(beta)}")
+    if torch.compiler.is_compiling():  # a compiled step: no value read on the host
+        return h_k, h_v, d_k, d_v
     if g.numel() and g.max() > 0:
         raise ValueError(f"g is a log-decay and must be <= 0; got a largest g of "
                          f"{g.max().item():.4g}")
@@ -479,8 +481,10 @@ def forward(self:GatedDeltaNet,
                                        conv_kernel_size=self.K)
         cache_params.update_recurrent_state(S, self.layer_idx)
     elif cache is not None:
-        cache.conv, cache.state = full[..., full.shape[-1] - (self.K - 1):], S
-        cache.seen += T
+        kept = full[..., full.shape[-1] - (self.K - 1):]     # (b, conv_dim, K - 1)
+        cache.conv, cache.state = kept.contiguous(), S  # one layout after any call
+        if not (torch.compiler.is_compiling() and hasattr(cache, 'begin_step')):
+            cache.seen += T  # (a compiled step's cache counts on the host: begin_step)
     return self.out_proj(self.norm(o, z).reshape(bsz, T, -1))
 
 # %% ../nbs/18_linear.ipynb #eb9e23f4

@@ -99,6 +99,19 @@ def test_float64_logits_and_gradients_are_transformers(exact_transformers, share
     assert (k[0] - k[1]).abs().max() < 1e-10 * k[1].abs().max()
 
 
+def test_a_compiled_step_with_shared_layers_writes_the_eager_tokens():
+    """generate(compile=True) with layers that share keys and values: a SharedKV has nothing to count on the host
+    (its source does), so the step compiles instead of stopping on a missing begin_step; one graph (Dynamo alone)."""
+    from torch._dynamo.utils import counters
+    torch.manual_seed(0)
+    ours = ours_of(hf_gemma4())
+    prompts = [torch.randint(3, 128, (n,)) for n in (4, 9)]
+    torch._dynamo.reset(); counters.clear()
+    out = generate(ours, prompts, 12, compile=dict(backend='eager', fullgraph=True))
+    assert counters['stats']['unique_graphs'] == 1
+    assert all(torch.equal(a, b) for a, b in zip(out, generate(ours, prompts, 12)))
+
+
 @pytest.mark.heavy  # 15 generations: make test and CI run it, make test-quick skips it
 @pytest.mark.parametrize('shared,per_layer,final_cap', CONFIGS[:5])
 def test_float32_logits_and_greedy_tokens_equal_transformers(shared, per_layer, final_cap):

@@ -179,10 +179,54 @@ def test_qwen35_generate_with_padding_static_and_growing(tiny64):
     assert torch.equal(generate(tiny64, ids, 12), generate(tiny64, ids, 12, static=True))  # growing = static
 
 
+
+@pytest.mark.slow
+@pytest.mark.no_cover  # coverage's tracer slows torch.compile; the eager tests cover the same lines
+def test_a_compiled_decode_step_writes_the_eager_tokens():
+    """generate(compile=True) on Qwen3.5: the host counts each linear block's tokens (HybridCache.begin_step), the
+    graph reads the count as a tensor, so one graph serves every step; a left-padded batch and a plain one write the
+    eager tokens, and so does a batch whose last block is linear (the bound comes from the KV caches)."""
+    torch.manual_seed(0)
+    for types in (None, ['full_attention', 'linear_attention'] * 2):
+        model = Qwen35(50, 160, 32, 4, 4 if types else 8, num_kv_heads=2, d_hidden=64, head_dim=8,
+                       linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                       linear_value_head_dim=8, layer_types=types).eval()
+        ids = torch.randint(0, 50, (2, 9))
+        assert torch.equal(generate(model, ids, 10, compile=True), generate(model, ids, 10))
+        prompts = [ids[0, 4:], ids[1]]
+        compiled, eager = generate(model, prompts, 10, compile=True), generate(model, prompts, 10)
+        assert [r.tolist() for r in compiled] == [r.tolist() for r in eager]
+
+
+def test_one_graph_serves_every_compiled_step():
+    "The host counts (begin_step), so no step's graph holds a count: one graph for 20 steps (Dynamo's tracing alone)."
+    from torch._dynamo.utils import counters
+    torch.manual_seed(0)
+    model = Qwen35(50, 160, 32, 4, 4, num_kv_heads=2, d_hidden=64, head_dim=8, linear_num_key_heads=2,
+                   linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8).eval()
+    prompts = [torch.randint(0, 50, (n,)) for n in (3, 9)]
+    torch._dynamo.reset(); counters.clear()
+    out = generate(model, prompts, 20, compile=dict(backend='eager', fullgraph=True))
+    assert counters['stats']['unique_graphs'] == 1
+    assert all(torch.equal(a, b) for a, b in zip(out, generate(model, prompts, 20)))
+
+
+def test_a_hybrid_cache_in_a_traced_step_reads_the_count_the_host_set(monkeypatch):
+    "The logic of the compiled step on the host: begin_step counts, positions and padding read its tensor, none: refused."
+    from selfattn_nbdev.hybrid import HybridCache
+    cache = HybridCache(pads=torch.tensor([2, 0]))
+    cache.seen = 1
+    monkeypatch.setattr(torch.compiler, 'is_compiling', lambda: True)   # as inside a graph
+    with pytest.raises(ValueError, match=r'needs cache.begin_step\(num_new\) on the host first'):
+        cache.positions(1)
+    cache.begin_step(2)
+    assert cache.seen == 3 and cache.positions(2).tolist() == [[1, 2]]
+    assert cache.real_tokens(2).tolist() == [[False, True], [True, True]]   # row 0: columns 0, 1 are padding
+
+
 # --- bad inputs -------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize('call,error,message', [
-    (lambda m, ids: generate(m, ids, 3, compile=True), ValueError, 'compile=True is not supported for a hybrid model'),
     (lambda m, ids: m(ids, m.new_caches()[:3]), ValueError, 'caches must be a list of 8 caches'),
     (lambda m, ids: m(ids, [KVCache()] * 8), TypeError, 'caches[0] must be a HybridCache (block 0 is linear'),
     (lambda m, ids: m(ids, m.new_caches(pads=torch.tensor([1, 0]))), ValueError, 'pads needs a capacity'),

@@ -183,19 +183,18 @@ def test_qwen35_generate_with_padding_static_and_growing(tiny64):
 @pytest.mark.slow
 @pytest.mark.no_cover  # coverage's tracer slows torch.compile; the eager tests cover the same lines
 def test_a_compiled_decode_step_writes_the_eager_tokens():
-    """generate(compile=True) on Qwen3.5: the host counts each linear block's tokens (HybridCache.begin_step), the
-    graph reads the count as a tensor, so one graph serves every step; a left-padded batch and a plain one write the
-    eager tokens, and so does a batch whose last block is linear (the bound comes from the KV caches)."""
+    """generate(compile=True) by Inductor on Qwen3.5 blocks: the host counts each linear block's tokens
+    (HybridCache.begin_step) and the graph reads the count as a tensor; with the last block linear (the step's bound
+    comes from the KV caches), a plain batch and a left-padded one write the eager tokens."""
     torch.manual_seed(0)
-    for types in (None, ['full_attention', 'linear_attention'] * 2):
-        model = Qwen35(50, 160, 32, 4, 4 if types else 8, num_kv_heads=2, d_hidden=64, head_dim=8,
-                       linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-                       linear_value_head_dim=8, layer_types=types).eval()
-        ids = torch.randint(0, 50, (2, 9))
-        assert torch.equal(generate(model, ids, 10, compile=True), generate(model, ids, 10))
-        prompts = [ids[0, 4:], ids[1]]
-        compiled, eager = generate(model, prompts, 10, compile=True), generate(model, prompts, 10)
-        assert [r.tolist() for r in compiled] == [r.tolist() for r in eager]
+    model = Qwen35(50, 160, 32, 4, 4, num_kv_heads=2, d_hidden=64, head_dim=8, linear_num_key_heads=2,
+                   linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                   layer_types=['full_attention', 'linear_attention'] * 2).eval()  # (the default: the next test)
+    ids = torch.randint(0, 50, (2, 9))
+    assert torch.equal(generate(model, ids, 10, compile=True), generate(model, ids, 10))
+    prompts = [ids[0, 4:], ids[1]]
+    compiled, eager = generate(model, prompts, 10, compile=True), generate(model, prompts, 10)
+    assert [r.tolist() for r in compiled] == [r.tolist() for r in eager]
 
 
 def test_one_graph_serves_every_compiled_step():

@@ -141,7 +141,8 @@ class HybridCache(RecurrentCache):
 
     def begin_step(self, num_new:int) -> None:
         "The host's half of a compiled step (as `StaticKVCache`'s): count its tokens."
-        self._first_column = torch.tensor(self.seen)
+        where = None if self.conv is None else self.conv.device  # the graph's device
+        self._first_column = torch.tensor(self.seen, device=where)
         self.seen += num_new
 
 class HybridBlock(nn.Module):

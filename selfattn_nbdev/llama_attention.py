@@ -175,11 +175,11 @@ def _then_capped(score_mod:Callable, cap:float) -> Callable: # one per pair, as 
 def _score_mod(self:LlamaAttention, score_mod:Callable|None=None) -> Callable|None:
     "The caller's score function, then the module's soft cap (Gemma 2)."
     if self.softcap is None: return score_mod
-    if torch.compiler.is_compiling():  # a graph inlines the function: no cache to ask
-        return (soft_cap_mod.__wrapped__(self.softcap) if score_mod is None  # (Dynamo
-                else _then_capped.__wrapped__(score_mod, self.softcap))  # warns on one)
-    if score_mod is None: return soft_cap_mod(self.softcap)
-    return _then_capped(score_mod, self.softcap)
+    cap, capped = soft_cap_mod, _then_capped  # one function per cap (and pair), so
+    if torch.compiler.is_compiling():         # Flex compiles once; a graph inlines it,
+        cap, capped = cap.__wrapped__, capped.__wrapped__  # and Dynamo warns on caches
+    if score_mod is None: return cap(self.softcap)
+    return capped(score_mod, self.softcap)
 
 @patch
 def _scale(self:LlamaAttention) -> float: # c in softmax(c q·k)

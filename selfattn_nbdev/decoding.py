@@ -370,6 +370,14 @@ def _first_weights(linears:list, most:int) -> tuple: # ([weight, ...], their byt
         if id(w) not in seen: seen.add(id(w)); weights.append(w); total += w.nbytes
     return weights, total
 
+def _beats_blas(kernel, weights:list, xs:dict, blas_weights:list|None=None) -> bool:
+    "Whether `kernel`'s best pass is under PROBE_WIN of the BLAS's best, in turns."
+    times = {'blas': [], 'other': []}
+    for _ in range(PROBE_PASSES):  # alternated: the machine's moments shared
+        times['blas'].append(_timed(F.linear, blas_weights or weights, xs))
+        times['other'].append(_timed(kernel, weights, xs))
+    return min(times['other']) < PROBE_WIN * min(times['blas'])  # each at its best
+
 def _faster(linears:list, rows:int, most:int) -> str: # most: bytes of weights read
     "The faster kernel for `rows` rows on the linears' first `most` bytes of weights."
     weights, total = _first_weights(linears, most)
@@ -385,12 +393,8 @@ def _faster(linears:list, rows:int, most:int) -> str: # most: bytes of weights r
             w, x = weights[0], xs[weights[0].shape[1]]
             error = (onednn_linear(x, w) - F.linear(x, w)).abs().max()
             if not error <= 1e-4 * (x.abs() @ w.abs().T).max(): return 'blas'
-            times = {'blas': [], 'onednn': []}
-            for _ in range(PROBE_PASSES):  # alternated: the machine's moments shared
-                for name, kernel in (('blas', F.linear), ('onednn', onednn_linear)):
-                    times[name].append(_timed(kernel, weights, xs))
+            faster = _beats_blas(onednn_linear, weights, xs)
     except (RuntimeError, AttributeError, NotImplementedError): return 'blas'
-    faster = min(times['onednn']) < PROBE_WIN * min(times['blas'])  # each at its best
     _MEASURED[key] = 'onednn' if faster else 'blas'
     return _MEASURED[key]
 
@@ -441,16 +445,13 @@ def compiled_gemv_kernel(
             loop = torch.compile(_loop_product, fullgraph=True, dynamic=False)
             error = (loop(x, W) - W @ x[0]).abs().max()  # (k, d_out) compared
             if not error <= 1e-4 * (x.abs() @ W.abs().mT).max(): return 'blas'
-            times, xs = {'blas': [], 'loop': []}, {W.shape[-1]: x}
-            for _ in range(PROBE_PASSES):  # alternated, as _faster's; each at its best
-                times['blas'].append(_timed(F.linear, list(W), xs))
-                times['loop'].append(_timed(lambda x, _: loop(x, W), W[:1], xs))
+            faster = _beats_blas(lambda x, _: loop(x, W), W[:1],  # all at once,
+                                 {W.shape[-1]: x}, list(W))  # the BLAS one by one
     except Exception as e:
         warnings.warn(f"compiled_gemv_kernel: row_dot did not compile "
                       f"({type(e).__name__}: {e}); a compiled step multiplies one "
                       f"row by F.linear's BLAS")
         return 'blas'
-    faster = min(times['loop']) < PROBE_WIN * min(times['blas'])
     _LOOPED[key] = 'loop' if faster else 'blas'
     return _LOOPED[key]
 
@@ -649,7 +650,7 @@ def _decode_step(
         nonlocal retries
         _forget_old_main()  # notebooks that share a process (nbdev_test): see the core
         bounds_now = [cache.begin_step(token_ids.shape[1]) for cache in caches or ()]
-        bound = max((b for b in bounds_now if b is not None), default=None)  # a KV
+        bound = max((b for b in bounds_now if b is not None), default=None)  # KV's
         for i, g in enumerate(groups):  # a stack the step may read: checked now
             g[0].__dict__['_stack_checked'] = holds(i, g)
         if graphs: torch.compiler.cudagraph_mark_step_begin()  # a CUDA graph per step

@@ -108,9 +108,14 @@ def _merge_heads(self:GatedAttention,
 class HybridCache(RecurrentCache):
     "A linear block's `RecurrentCache` that knows each row's left padding."
     def __init__(self, pads:Tensor|None=None): # int (b,): padding tokens left of a row
-        super().__init__()
+        super().__init__()  # reset, below
         if pads is not None: check_token_ids(pads, math.inf, "pads", dims=(1,))
-        self.pads, self._first_column = pads, None  # the last: set by begin_step
+        self.pads = pads  # kept by reset: they belong to the batch, not to its tokens
+
+    def reset(self) -> None:
+        "Forget every token, as `RecurrentCache` does, and begin_step's column."
+        super().reset()
+        self._first_column = None  # set by begin_step
 
     def __repr__(self):
         pads = None if self.pads is None else self.pads.tolist()
@@ -376,8 +381,13 @@ class KVSource:
         self.last = self.cache.update(keys, values, module)
         return self.last
 
+    def reset(self) -> None:
+        "The cache's reset; the answers kept for the sharing layers go too."
+        self.cache.reset()
+        self.last_positions = self.last = None
+
     def __len__(self) -> int: return len(self.cache)
-    def __getattr__(self, name:str):  # the rest (num_seen, keys, reset): the cache's
+    def __getattr__(self, name:str):  # the rest (num_seen, keys, begin_step): cache's
         if name == "cache": raise AttributeError(name)
         return getattr(self.cache, name)
 
@@ -393,6 +403,9 @@ class SharedKV:
 
     def begin_step(self, num_new:int) -> None:
         "A compiled step's host: nothing to count, the source counts the tokens."
+
+    def reset(self) -> None:
+        "Nothing to forget: the source's cache resets itself."
 
     def positions(self, num_new:int, device=None) -> Tensor: # (b | 1, num_new)
         "The positions the source's cache gave the same new tokens."

@@ -345,13 +345,17 @@ class GatedRMSNorm(nn.Module):
 # %% ../nbs/18_linear.ipynb #723dcefc
 class RecurrentCache:
     "What a linear-attention layer keeps between calls: conv window and state, fixed."
-    def __init__(self): self.conv, self.state, self.seen = None, None, 0
+    def __init__(self): self.reset()
+    def reset(self) -> None:
+        "Forget every token, to start a new sequence: no window, no state."
+        self.conv, self.state, self.seen = None, None, 0
     def __repr__(self):
         conv, state = (None if t is None else tuple(t.shape)
                        for t in (self.conv, self.state))
         return f"RecurrentCache(seen={self.seen}, conv={conv}, state={state})"
     @property
     def num_seen(self) -> int: return self.seen  # as every cache of the package says it
+    def __len__(self) -> int: return 0  # no keys held: a fixed window and state
     def positions(self, num_new:int, device=None) -> Tensor: # (1, num_new)
         "Where the new tokens stand: after the ones seen, as a KV cache answers."
         return torch.arange(self.seen, self.seen + num_new, device=device)[None]

@@ -93,6 +93,12 @@ class PagedKVCache:
     def num_seen(self) -> int: # the longest row's tokens so far
         return max((s.length for s in self.rows), default=0)
 
+    def __len__(self) -> int: return self.num_seen  # the longest row's keys, written
+
+    def reset(self) -> None:
+        "A view of no sequence; their blocks are theirs, freed by whoever holds them."
+        self.rows = []
+
     def check_new_tokens(self, x:Tensor, key_padding_mask, module) -> None:
         "One row of x per Sequence, no padding mask: every row has its own length."
         if key_padding_mask is not None or x.shape[0] != len(self.rows):

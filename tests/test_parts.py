@@ -405,9 +405,9 @@ def test_shared_masks_for_a_model_of_your_own(monkeypatch):
     assert len(built) == 5 and torch.equal(inside, outside)
 
 
-def test_every_cache_says_how_many_tokens_it_has_seen_and_where_the_next_stand():
-    """The cache protocol every cache keeps: num_seen, and positions(num_new) after them. KV caches (growing,
-    static, ring, shared and its source) also check_new_tokens and update; recurrent ones hold a state."""
+def _every_kind_of_model():
+    "Models whose caches, together, are every kind a model of the package makes: (model, capacity) pairs."
+    from selfattn_nbdev.deepseek_v3 import DeepSeekV3
     from selfattn_nbdev.hybrid import Gemma4, Qwen35
     torch.manual_seed(0)
     tiny = TinyGPT(64, 32, d_model=16, num_heads=2, num_layers=2)
@@ -416,15 +416,58 @@ def test_every_cache_says_how_many_tokens_it_has_seen_and_where_the_next_stand()
                   linear_key_head_dim=8, linear_value_head_dim=8)
     gemma = Gemma4(64, 32, 16, 2, 4, 1, 24, 8, layer_types=['sliding_attention', 'full_attention'] * 2,
                    window=4, num_kv_shared_layers=2)
+    latent = DeepSeekV3(64, 32, 16, 4, 2, 32, kv_rank=8, rope_dim=4, nope_dim=4, v_dim=4)
+    return [(m.eval(), c) for m, c in [(tiny, None), (tiny, 32), (windowed, 32), (qwen, None), (qwen, 32),
+                                       (gemma, None), (latent, None), (latent, 32)]]
+
+
+def test_every_cache_keeps_one_protocol_and_a_reset_one_serves_as_a_new_one():
+    """The protocol every cache keeps: num_seen, positions(num_new) after them, len (the keys it holds) and reset.
+    After a reset, a cache serves a new prompt exactly as a new cache does (KV caches growing, static, ring, latent;
+    recurrent and hybrid ones; a shared one and its source)."""
     kinds = set()
-    for model, capacity in [(tiny, None), (tiny, 32), (windowed, 32), (qwen, None), (gemma, None)]:
-        caches, ids = model.new_caches(capacity), torch.randint(0, 64, (1, 6))
-        with torch.no_grad(): model.eval()(ids, caches)
+    for model, capacity in _every_kind_of_model():
+        first, second = torch.randint(0, 64, (1, 6)), torch.randint(0, 64, (1, 9))
+        caches = model.new_caches(capacity)
+        with torch.no_grad(): model(first, caches)
         for cache in caches:
             kinds.add(type(cache).__name__)
             assert cache.num_seen == 6, (type(cache).__name__, cache.num_seen)
             assert torch.equal(cache.positions(2), torch.tensor([[6, 7]])), type(cache).__name__
+            held = len(cache)  # its keys: every token's, a window's, or none (a state, a shared layer)
+            assert held <= 6 and (held == 0) == (type(cache).__name__ in ('HybridCache', 'SharedKV')), \
+                (type(cache).__name__, held)
+        for cache in caches: cache.reset()
+        for cache in caches: assert (cache.num_seen, len(cache)) == (0, 0), type(cache).__name__
+        with torch.no_grad():  # the new prompt, then one step after it
+            fresh = model.new_caches(capacity)
+            again, new = model(second, caches), model(second, fresh)
+            step, new_step = model(torch.tensor([[5]]), caches), model(torch.tensor([[5]]), fresh)
+        assert torch.equal(again, new) and torch.equal(step, new_step), (type(model).__name__, capacity)
     assert kinds == {'KVCache', 'StaticKVCache', 'RingKVCache', 'HybridCache', 'KVSource', 'SharedKV'}, kinds
+
+
+def test_a_recurrent_and_a_paged_cache_keep_the_protocol_too():
+    "The caches a model does not make itself: a linear layer's alone, and one layer's view of a block pool."
+    from selfattn_nbdev.linear import GatedDeltaNet, RecurrentCache
+    from selfattn_nbdev.serving import BlockPool, PagedKVCache, Sequence
+    torch.manual_seed(0)
+    layer, cache, x = GatedDeltaNet(32, 2, 4, 8, 4).eval(), RecurrentCache(), torch.randn(2, 5, 32)
+    with torch.no_grad():
+        layer(torch.randn(2, 7, 32), cache=cache)
+        assert (cache.num_seen, len(cache)) == (7, 0) and torch.equal(cache.positions(1), torch.tensor([[7]]))
+        cache.reset()
+        assert (cache.num_seen, cache.state, cache.conv) == (0, None, None)
+        assert torch.equal(layer(x, cache=cache), layer(x, cache=RecurrentCache()))
+    pool = BlockPool(num_blocks=4, block_size=4)
+    paged = PagedKVCache(pool, 0)
+    rows = [Sequence(torch.tensor([1, 2, 3]), 1, 0), Sequence(torch.tensor([4, 5, 6, 7, 8]), 1, 1)]
+    for seq in rows: seq.length = len(seq.tokens)
+    paged.rows = rows
+    assert (paged.num_seen, len(paged)) == (5, 5)
+    assert torch.equal(paged.positions(1), torch.tensor([[3], [5]]))
+    paged.reset()
+    assert (paged.num_seen, len(paged), paged.rows) == (0, 0, []) and rows[1].length == 5  # the sequences keep theirs
 
 
 def test_a_models_forward_inside_shared_masks_leaves_the_outer_scope_open(monkeypatch):

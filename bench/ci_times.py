@@ -11,7 +11,7 @@ for the pytest steps, pytest's own count and seconds, the coverage and the secon
 seconds of each notebook (`nbdev_test --timing`). `make test-quick`, the edit loop (warm, after `make test`), is timed
 too but is not a CI step (`in_ci: false`, left out of the total). The Measurements page reads the JSON.
 """
-import argparse, datetime, json, os, platform, re, resource, shlex, subprocess, sys, tempfile, time
+import argparse, datetime, json, os, platform, re, resource, shlex, shutil, subprocess, sys, tempfile, time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,6 +87,7 @@ def main():
     result['steps']['test-quick']['in_ci'] = False   # a contributor's loop, not CI's
     result['total_seconds'] = round(sum(s['seconds'] for s in result['steps'].values() if s.get('in_ci', True)), 1)
     Path(a.out).write_text(json.dumps(result, indent=1) + '\n')
+    shutil.rmtree(clone)  # its venv and builds: 1.6 GB a run; the logs stay, for a step that failed
     print(f"wrote {a.out}; total {result['total_seconds']} s; logs in {log} (commit {commit[:12]})")
     if any(s['returncode'] for s in result['steps'].values()): sys.exit(1)
 

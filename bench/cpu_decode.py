@@ -80,9 +80,10 @@ def hf_model(config: dict):
 
 
 def ours_of(hf):
-    folder = tempfile.mkdtemp()
-    hf.save_pretrained(folder)
-    return from_hf(folder).eval()
+    "The package's model of transformers' `hf`, through a checkpoint in a folder removed after (from_hf reads it all)."
+    with tempfile.TemporaryDirectory(prefix='cpu_decode_') as folder:
+        hf.save_pretrained(folder)
+        return from_hf(folder).eval()
 
 
 def bytes_a_token(model) -> int:
@@ -297,8 +298,10 @@ def main():
     parser.add_argument('--out', default=str(ROOT/'bench'/'cpu_decode.json'))
     parser.add_argument('--no-large', action='store_true', help='leave out the 1 B shape')
     args = parser.parse_args()
+    # this run's files (GGUFs, Inductor's cache): removed when the run ends (the object's finalizer)
+    scratch = tempfile.TemporaryDirectory(prefix='cpu_decode_')
     # a fresh cache for torch.compile's kernels (read when it compiles), so `compile` times a first run's compile
-    os.environ.setdefault('TORCHINDUCTOR_CACHE_DIR', tempfile.mkdtemp(prefix='cpu_decode_inductor_'))
+    os.environ.setdefault('TORCHINDUCTOR_CACHE_DIR', os.path.join(scratch.name, 'inductor'))
     import transformers
     transformers.logging.set_verbosity_error(); transformers.utils.logging.disable_progress_bar()
     load = [os.getloadavg()[0]]
@@ -318,7 +321,7 @@ def main():
         hf = hf_model(config)
         shapes[name] = (hf, ours_of(hf))
         if args.llamacpp_python:
-            ggufs[name] = tempfile.mkdtemp() + f'/{name}.gguf'
+            ggufs[name] = os.path.join(scratch.name, f'{name}.gguf')
             subprocess.run([args.llamacpp_python, str(ROOT/'bench'/'llamacpp_child.py'), 'write', name,
                             ggufs[name]], check=True, capture_output=True)
     torch.set_num_threads(1)

@@ -154,8 +154,9 @@ def main():
     hf = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
                                       num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
                                       bos_token_id=None, eos_token_id=None, pad_token_id=0)).eval()
-    folder = tempfile.mkdtemp(); hf.save_pretrained(folder)
-    ours = from_hf(folder).eval()
+    with tempfile.TemporaryDirectory() as folder:  # from_hf reads the checkpoint whole: the folder can go
+        hf.save_pretrained(folder)
+        ours = from_hf(folder).eval()
     load = [os.getloadavg()[0]]
     work = workloads(256)
     alone = {name: [generate(ours, p[None], m, stop_ids=[])[0, len(p):].tolist()

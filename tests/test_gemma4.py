@@ -39,9 +39,9 @@ def hf_gemma4(shared=2, per_layer=8, perturb=False, **over):
 
 
 def ours_of(hf):
-    folder = tempfile.mkdtemp()
-    hf.save_pretrained(folder)
-    return from_hf(folder).eval()
+    with tempfile.TemporaryDirectory() as folder:  # from_hf reads it whole
+        hf.save_pretrained(folder)
+        return from_hf(folder).eval()
 
 
 @pytest.fixture
@@ -161,10 +161,10 @@ def test_shared_layers_cache_nothing_and_a_model_without_caches_makes_its_own():
         ours(ids, document_ids=torch.zeros_like(ids))
 
 
-def test_save_hf_writes_what_transformers_reads():
+def test_save_hf_writes_what_transformers_reads(tmp_path):
     hf = hf_gemma4()
     ours = ours_of(hf)
-    folder = save_hf(ours, tempfile.mkdtemp())
+    folder = save_hf(ours, tmp_path)
     back = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
     ids = torch.randint(3, 128, (1, 20))
     with torch.no_grad():

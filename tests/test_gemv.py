@@ -294,9 +294,9 @@ def _family(kind):
     config = (qwen35_text_config() if kind == 'qwen3_5_text' else
               AutoConfig.for_model('smollm3', **FAMILIES['llama'], pad_token_id=0, eos_token_id=None)
               if kind == 'smollm3' else AutoConfig.for_model(kind, **FAMILIES[kind]))
-    folder = tempfile.mkdtemp()
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
-    return from_hf(folder).eval()
+    with tempfile.TemporaryDirectory() as folder:  # from_hf reads it whole
+        AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
+        return from_hf(folder).eval()
 
 
 @pytest.mark.parametrize('kind', ['gpt2', 'llama', 'mistral', 'qwen2', 'qwen3', 'gemma2', 'gemma3_text',

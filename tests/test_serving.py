@@ -23,9 +23,9 @@ def mistral():
     hf = MistralForCausalLM(MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                           num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                                           sliding_window=8, max_position_embeddings=256, initializer_range=0.2))
-    folder = tempfile.mkdtemp()
-    hf.save_pretrained(folder)
-    return from_hf(folder).eval()
+    with tempfile.TemporaryDirectory() as folder:  # from_hf reads it whole
+        hf.save_pretrained(folder)
+        return from_hf(folder).eval()
 
 
 def requests(n=10, vocab=64, seed=0, prefix=0):
@@ -101,10 +101,11 @@ def test_serve_refuses_models_without_keys_of_their_own():
                                global_head_dim=16, sliding_window=8, num_kv_shared_layers=2,
                                hidden_size_per_layer_input=8, vocab_size_per_layer_input=64,
                                layer_types=["sliding_attention", "full_attention"] * 2)
-    folder = tempfile.mkdtemp()
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+    with tempfile.TemporaryDirectory() as folder:
+        AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+        model = from_hf(folder)
     with pytest.raises(ValueError, match='block 2 of Gemma4 has Gemma4Attention'):
-        serve(from_hf(folder), [torch.tensor([1, 2])], 4, num_blocks=8)
+        serve(model, [torch.tensor([1, 2])], 4, num_blocks=8)
 
 
 def test_requests_arriving_between_steps_streamed_chunked_and_a_bad_one_refused_alone(mistral):

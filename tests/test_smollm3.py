@@ -28,9 +28,9 @@ def hf_smollm3(dtype=torch.float64, **over):
 
 
 def ours_of(hf):
-    folder = tempfile.mkdtemp()
-    hf.save_pretrained(folder)
-    return from_hf(folder).to(hf.dtype)
+    with tempfile.TemporaryDirectory() as folder:  # from_hf reads it whole
+        hf.save_pretrained(folder)
+        return from_hf(folder).to(hf.dtype)
 
 
 @pytest.fixture
@@ -107,10 +107,10 @@ def test_rope_layers_are_checked(rope_layers):
         SmolLM3(64, 32, 32, 4, 4, rope_layers=rope_layers)
 
 
-def test_save_hf_writes_what_transformers_reads():
+def test_save_hf_writes_what_transformers_reads(tmp_path):
     hf = hf_smollm3(torch.float32, use_sliding_window=True, sliding_window=5)
     ours = ours_of(hf)
-    again = AutoModelForCausalLM.from_pretrained(save_hf(ours, tempfile.mkdtemp()), attn_implementation="eager")
+    again = AutoModelForCausalLM.from_pretrained(save_hf(ours, tmp_path), attn_implementation="eager")
     ids = torch.randint(3, 96, (2, 20))
     with torch.no_grad(): assert torch.equal(again.eval()(ids).logits, hf(ids).logits)
 

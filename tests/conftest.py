@@ -114,3 +114,19 @@ def check_against_transformers(theirs, ours, ids, mask, record_diff, what):
     assert torch.equal(got, want), 'greedy tokens differ from transformers'
     assert torch.equal(uncached, got), 'cached and uncached generation differ'
     assert got.shape[1] == ids.shape[1] + 16
+
+
+def check_saved_and_routed(hf, ours, folder, ids):
+    """A family's two ways back to transformers: `save_hf` writes a checkpoint transformers reads to the very same
+    logits, and transformers' own model with the package's attention inside (attn_implementation='selfattn_nbdev')
+    gives its eager logits, within 1e-5 of the largest."""
+    from transformers import AutoModelForCausalLM
+    from selfattn_nbdev.hf import register
+    from selfattn_nbdev.pretrained import save_hf
+    again = AutoModelForCausalLM.from_pretrained(save_hf(ours, folder), attn_implementation="eager").eval()
+    with torch.no_grad():
+        eager = hf(ids).logits
+        assert torch.equal(again(ids).logits, eager)
+        hf.set_attn_implementation(register())
+        routed = hf(ids).logits
+    assert (routed - eager).abs().max() <= 1e-5 * eager.abs().max()

@@ -11,9 +11,9 @@ transformers = pytest.importorskip('transformers')
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 from transformers.models.smollm3 import modeling_smollm3 as sm  # noqa: E402
 
-from selfattn_nbdev.hf import register  # noqa: E402
-from selfattn_nbdev.pretrained import from_hf, save_hf  # noqa: E402
+from selfattn_nbdev.pretrained import from_hf  # noqa: E402
 from selfattn_nbdev.smollm3 import NoPEAttention, SmolLM3, smollm3_config  # noqa: E402
+from conftest import check_saved_and_routed  # noqa: E402
 
 transformers.logging.set_verbosity_error()
 SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
@@ -107,20 +107,7 @@ def test_rope_layers_are_checked(rope_layers):
         SmolLM3(64, 32, 32, 4, 4, rope_layers=rope_layers)
 
 
-def test_save_hf_writes_what_transformers_reads(tmp_path):
+def test_save_hf_and_the_transformers_route(tmp_path):
+    "save_hf writes what transformers reads; transformers' SmolLM3 runs with the package's attention inside."
     hf = hf_smollm3(torch.float32, use_sliding_window=True, sliding_window=5)
-    ours = ours_of(hf)
-    again = AutoModelForCausalLM.from_pretrained(save_hf(ours, tmp_path), attn_implementation="eager")
-    ids = torch.randint(3, 96, (2, 20))
-    with torch.no_grad(): assert torch.equal(again.eval()(ids).logits, hf(ids).logits)
-
-
-def test_the_transformers_route_runs_smollm3():
-    "transformers' SmolLM3 with the package's attention inside (attn_implementation='selfattn_nbdev')."
-    hf = hf_smollm3(torch.float32, use_sliding_window=True, sliding_window=5)
-    ids = torch.randint(3, 96, (2, 24))
-    with torch.no_grad():
-        eager = hf(ids).logits
-        hf.set_attn_implementation(register())
-        routed = hf(ids).logits
-    assert (routed - eager).abs().max() <= 1e-5 * eager.abs().max()
+    check_saved_and_routed(hf, ours_of(hf), tmp_path, torch.randint(3, 96, (2, 24)))

@@ -5,7 +5,7 @@
 # %% auto #0
 __all__ = ['OlmoAttention', 'OlmoBlock', 'Olmo', 'olmo_config', 'olmo_weight_map']
 
-# %% ../nbs/26_olmo.ipynb #df06d3e8
+# %% ../nbs/26_olmo.ipynb #eed1a656
 import torch
 from torch import Tensor, nn
 
@@ -17,7 +17,7 @@ from .models import (HF_DEFAULTS, SwiGLU, _refuse, _rope_of, _setting,
                                    hf_settings, llama_weight_map)
 from .pretrained import FAMILIES
 
-# %% ../nbs/26_olmo.ipynb #75c9ba7f
+# %% ../nbs/26_olmo.ipynb #badf027c
 def _whole(norm:nn.Module, t:Tensor) -> Tensor: # (b, heads, T, hd) -> the same shape
     "`norm` over each token's heads together: one vector of heads * hd numbers."
     b, h, T, hd = t.shape
@@ -50,7 +50,7 @@ class OlmoAttention(LlamaAttention):
         cos, sin = self._rope_at(positions, x.shape[1], queries)   # (.., T, hd)
         return rope_rotate(queries, cos, sin), rope_rotate(keys, cos, sin), values
 
-# %% ../nbs/26_olmo.ipynb #20b14c32
+# %% ../nbs/26_olmo.ipynb #348c3007
 class OlmoBlock(nn.Module):
     "OLMo's block: attention, then the MLP, each output normed before it joins `x`."
     def __init__(self,
@@ -83,7 +83,7 @@ class OlmoBlock(nn.Module):
         x = x + self.post_attn_norm(attended)          # (b, num_tokens, d_model)
         return x + self.post_mlp_norm(self.mlp(x))     # (b, num_tokens, d_model)
 
-# %% ../nbs/26_olmo.ipynb #707338a2
+# %% ../nbs/26_olmo.ipynb #be455fb8
 class Olmo(TinyGPT):
     "OLMo 2 and 3: post-norm blocks, QK-norm over whole vectors; OLMo 3's windows."
     def __init__(self,
@@ -122,7 +122,7 @@ class Olmo(TinyGPT):
         self.head = nn.Linear(d_model, vocab_size, bias=False)
         if tie_embeddings: self.head.weight = self.token_emb.weight
 
-# %% ../nbs/26_olmo.ipynb #748a2f21
+# %% ../nbs/26_olmo.ipynb #32f7512a
 HF_DEFAULTS["olmo2"] = dict(  # Olmo2Config's defaults
     num_key_value_heads=None, hidden_act="silu", max_position_embeddings=2048,
     rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
@@ -165,7 +165,7 @@ def olmo_config(config:dict) -> dict: # keyword arguments of Olmo
         layer_types=s["layer_types"], dropout=s["attention_dropout"],
         sliding_rope=_rope_of(rope["sliding_attention"], "Olmo"))
 
-# %% ../nbs/26_olmo.ipynb #012e6582
+# %% ../nbs/26_olmo.ipynb #e7dc2dbf
 def olmo_weight_map(
     num_layers:int, # blocks
     tie_embeddings:bool=False, # no lm_head.weight: the head is the token table

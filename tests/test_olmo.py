@@ -2,8 +2,8 @@
 from tiny random models that transformers built and saved offline, against transformers in float64 (logits and
 gradients; transformers' OLMo norms run in float32 whatever the dtype, so the tests give them the input's dtype),
 with OLMo 3's sliding blocks where the config puts them or where transformers' rule puts them, an older rope_scaling
-on the full blocks only, tied or untied heads; what it refuses, by name; saving; the transformers route; and a
-compiled decode step. Nothing is downloaded."""
+on the full blocks only, tied or untied heads; what it refuses, by name; saving; the transformers route. Its
+compiled decode step is tested with every family's (tests/test_static_cache.py). Nothing is downloaded."""
 import tempfile
 
 import pytest
@@ -14,7 +14,6 @@ from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 from transformers.models.olmo2 import modeling_olmo2  # noqa: E402
 from transformers.models.olmo3 import modeling_olmo3  # noqa: E402
 
-from selfattn_nbdev.decoding import generate  # noqa: E402
 from selfattn_nbdev.olmo import Olmo, OlmoAttention, olmo_config, olmo_weight_map  # noqa: E402
 from selfattn_nbdev.pretrained import FAMILIES, from_hf  # noqa: E402
 from conftest import check_saved_and_routed  # noqa: E402
@@ -137,11 +136,3 @@ def test_save_hf_and_the_transformers_route(tmp_path, kind, over):
     assert FAMILIES[kind][0] is Olmo
     hf = hf_olmo(kind, torch.float32, **over)
     check_saved_and_routed(hf, ours_of(hf), tmp_path, torch.randint(3, 96, (2, 24)))
-
-
-@pytest.mark.slow
-def test_a_compiled_decode_step_writes_the_eager_tokens():
-    ours = ours_of(hf_olmo('olmo3', torch.float32, sliding_window=5))
-    prompts = [torch.randint(3, 96, (7,)), torch.randint(3, 96, (12,))]
-    eager, compiled = generate(ours, prompts, 12), generate(ours, prompts, 12, compile=True)
-    assert all(torch.equal(a, b) for a, b in zip(eager, compiled))

@@ -36,7 +36,8 @@ from .tiled import tiled_attention
 from . import mods as _mods  # MultiHeadAttention's 'block' path
 from .explorer import AttentionExplorer, package_attention
 # the families of later pages: each module adds its line to from_hf's FAMILIES
-from . import hybrid as _hybrid, smollm3 as _smollm3, olmo as _olmo
+from . import gemma4 as _gemma4, hybrid as _hybrid
+from . import smollm3 as _smollm3, olmo as _olmo
 from . import models as _models, gemma as _gemma, deepseek_v3 as _deepseek_v3
 import sys as _sys
 from . import gqa_window_rope as modern, llama_attention as recent

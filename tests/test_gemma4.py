@@ -1,4 +1,4 @@
-"""Layers that share keys and values (nbs/20_hybrid.ipynb): the package's Gemma4, read by from_hf from tiny random
+"""Layers that share keys and values (nbs/27_gemma4.ipynb): the package's Gemma4, read by from_hf from tiny random
 Gemma 4 (text) models that transformers built and saved offline, against transformers with num_kv_shared_layers = 0
 and 2, with and without per-layer inputs, with proportional RoPE: logits, gradients, greedy tokens with growing and
 static caches, left-padded batches, and in float64 with transformers' float32 steps lifted, the same function to
@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 from transformers.models.gemma4 import modeling_gemma4 as g4  # noqa: E402
 
 from selfattn_nbdev.decoding import generate  # noqa: E402
-from selfattn_nbdev.hybrid import Gemma4, KVSource, SharedKV, gemma4_config, kv_sources  # noqa: E402
+from selfattn_nbdev.gemma4 import Gemma4, KVSource, SharedKV, gemma4_config, kv_sources  # noqa: E402
 from selfattn_nbdev.pretrained import from_hf, save_hf  # noqa: E402
 
 transformers.logging.set_verbosity_error()

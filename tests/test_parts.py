@@ -498,6 +498,11 @@ def test_moved_families_still_import_from_their_old_home():
     assert set(gemma.__all__) | set(deepseek_v3.__all__) <= set(names)
     assert pretrained.FAMILIES['gemma3_text'][0] is gemma.Gemma
     assert pretrained.FAMILIES['deepseek_v3'][0] is deepseek_v3.DeepSeekV3
+    from selfattn_nbdev import gemma4, hybrid  # Gemma 4 moved from the hybrid page to its own
+    moved = ('GEMMA4_ROPE', 'Gemma4', 'Gemma4Attention', 'Gemma4Block', 'Gemma4RMSNorm', 'KVSource', 'SharedKV',
+             'gemma4_config', 'gemma4_weight_map', 'kv_sources')
+    assert set(moved) == set(gemma4.__all__) and all(getattr(hybrid, n) is getattr(gemma4, n) for n in moved)
+    assert pretrained.FAMILIES['gemma4_text'][0] is gemma4.Gemma4
 
 
 def test_a_window_that_holds_every_key_builds_no_mask(monkeypatch):

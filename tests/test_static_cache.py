@@ -249,8 +249,10 @@ def test_a_compiled_decode_step_writes_the_eager_tokens_in_every_family(tmp_path
     from bench.families import families
     from selfattn_nbdev.pretrained import from_hf
     from transformers import AutoConfig, AutoModelForCausalLM
-    olmo3 = dict(vocab_size=256, hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=2,
-                 num_key_value_heads=2, max_position_embeddings=512, sliding_window=8)  # 3 of 4 blocks slide
+    olmo3 = dict(vocab_size=256, hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=2, max_position_embeddings=512, sliding_window=8,
+                 layer_types=['sliding_attention', 'full_attention'], bos_token_id=None, eos_token_id=None,
+                 pad_token_id=None)
     more = {'OLMo 3 (norms after)': lambda: AutoModelForCausalLM.from_config(AutoConfig.for_model('olmo3', **olmo3))}
     for name, make in (families(128, 2, 256, 512) | more).items():
         torch.manual_seed(0)

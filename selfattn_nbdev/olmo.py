@@ -18,12 +18,6 @@ from .models import (HF_DEFAULTS, SwiGLU, _refuse, _rope_of, _setting,
 from .pretrained import FAMILIES
 
 # %% ../nbs/26_olmo.ipynb #badf027c
-def _whole(norm:nn.Module, t:Tensor) -> Tensor: # (b, heads, T, hd) -> the same shape
-    "`norm` over each token's heads together: one vector of heads * hd numbers."
-    b, h, T, hd = t.shape
-    whole = t.transpose(1, 2).reshape(b, T, h * hd)        # (b, T, heads * hd)
-    return norm(whole).view(b, T, h, hd).transpose(1, 2)  # (b, heads, T, hd)
-
 class OlmoAttention(LlamaAttention):
     "`LlamaAttention` with its QK-norm over each token's whole query and whole key."
     def __init__(self,
@@ -46,7 +40,9 @@ class OlmoAttention(LlamaAttention):
                 ) -> tuple: # queries (b, heads, T, hd), keys, values (b, kv, T, hd)
         "Queries and keys normed over all their heads, then turned; values as given."
         queries, keys, values = self._qkv(x)               # (b, heads | kv, T, hd)
-        queries, keys = _whole(self.q_norm, queries), _whole(self.k_norm, keys)
+        # each token's heads side by side (b, T, heads * hd), normed, cut into heads
+        queries = self._split_heads(self.q_norm(self._merge_heads(queries)))
+        keys = self._split_heads(self.k_norm(self._merge_heads(keys)))
         cos, sin = self._rope_at(positions, x.shape[1], queries)   # (.., T, hd)
         return rope_rotate(queries, cos, sin), rope_rotate(keys, cos, sin), values
 

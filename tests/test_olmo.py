@@ -121,12 +121,15 @@ def test_what_it_does_not_compute_is_refused_by_name(key, value):
 
 
 def test_the_whole_vector_norm_is_not_the_per_head_one():
-    "A query whose heads differ in size: OLMo's norm keeps the difference, one RMS over all heads."
+    """_project itself: a query whose first head is five times larger keeps its lead after the norm, one RMS over all
+    heads (position 0: RoPE turns nothing); keys the same over their 2 heads."""
     attn = OlmoAttention(32, 16, num_heads=4, num_kv_heads=2).eval()
-    q = torch.randn(1, 4, 3, 8) * torch.tensor([5.0, 1, 1, 1])[:, None, None]
-    with torch.no_grad(): normed = attn._split_heads(attn.q_norm(attn._merge_heads(q)))
-    assert torch.allclose(normed.pow(2).mean(dim=(1, 3)), torch.ones(1, 3), atol=1e-4)  # the whole: RMS 1
-    assert (normed[:, 0].pow(2).mean() > 5 * normed[:, 1].pow(2).mean())             # a head: not
+    with torch.no_grad():
+        attn.W_query.weight[:8] *= 5                                      # head 0's rows
+        q, k, _ = attn._project(torch.randn(1, 3, 32), torch.zeros(1, 3, dtype=torch.long))
+    assert torch.allclose(q.pow(2).mean(dim=(1, 3)), torch.ones(1, 3), atol=1e-4)  # each token's whole query
+    assert torch.allclose(k.pow(2).mean(dim=(1, 3)), torch.ones(1, 3), atol=1e-4)  # and whole key: RMS 1
+    assert q[:, 0].pow(2).mean() > 5 * q[:, 1].pow(2).mean()                      # a head alone: not
 
 
 @pytest.mark.parametrize('kind,over', [('olmo2', {}), ('olmo3', dict(sliding_window=5))])

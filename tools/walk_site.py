@@ -4,8 +4,9 @@
     python tools/walk_site.py [--site _docs] [--build] [--chromium /usr/bin/chromium] [--max-height 20000]
                               [--pages index.html,simple.html]   # walk only these (a quicker check of a few pages)
 
-Every page in the sidebar is opened four times: at 1280 px and at a 390 px phone width, each in the light and
-in the dark colour scheme (the browser says `prefers-color-scheme: dark`, as a reader's system does). Each time:
+Every page the landing page's sidebar lists is opened four times: at 1280 px and at a 390 px phone width, each in
+the light and in the dark colour scheme (the browser says `prefers-color-scheme: dark`, as a reader's system does),
+two of these passes at a time (PASS_GROUPS). Each time:
 - it loads, with no JavaScript error of its own (requests to other hosts that fail are listed, not failed), and
   is drawn within 15 s: fonts in, maths typeset, attention explorers drawn (READY; the checks wait for it);
 - it is in the colour scheme asked for (its body's background is dark, or light), and every visible text has a
@@ -19,6 +20,7 @@ In the light scheme, also:
 - every image has loaded (naturalWidth > 0);
 - its maths is typeset (KaTeX or MathJax elements present, no raw \\( \\) left in the text), also when the
   landing page is opened from disk with the network blocked (the maths engine must come from the site itself);
+- every page's sidebar lists the same pages as the landing page's;
 - at 1280 px, no code block, output or display equation is wider than its box (its text would be cut off until
   scrolled), and no definition (`class X`, `def f`) is shown twice on a page;
   it has previous/next links at the bottom, and no link to the site's own pages leaves the local build;
@@ -40,8 +42,12 @@ from pathlib import Path
 from urllib.parse import unquote, urldefrag, urljoin, urlparse
 
 ROOT = Path(__file__).resolve().parents[1]
-# (name, viewport width, colour scheme): the first pass finds the pages, and only the light ones check layout and links.
+# (name, viewport width, colour scheme): only the light ones check layout and links.
 PASSES = [('desktop', 1280, 'light'), ('phone', 390, 'light'), ('desktop-dark', 1280, 'dark'), ('phone-dark', 390, 'dark')]
+# The passes run in two threads, each with its own browser: a walk waits on pages being drawn about half of its time
+# (55 % of a core, one pass after another), so two keep both cores busy. Each thread takes a heavy light pass and a
+# dark one.
+PASS_GROUPS = [[PASSES[0], PASSES[3]], [PASSES[1], PASSES[2]]]
 MIN_CONTRAST = 4.5      # WCAG 2 AA for body text; the walk asks it of every text, large or small
 MAX_HEIGHT = 20_000     # px at 1280: the project's limit on a page's length (--max-height)
 MIN_FIGURE_TEXT = 8.0   # CSS px on the phone width: the smallest text a figure may show
@@ -59,12 +65,17 @@ CHROMIUM_ARGS = ['--no-sandbox', '--disable-gpu', '--no-first-run', '--disable-b
 
 
 class Report:
-    def __init__(self): self.passed, self.failures, self.notes, self.counts = 0, [], [], {}
+    "What the checks found; the passes that run side by side (WORKERS threads) report into one, under its lock."
+    def __init__(self):
+        self.passed, self.failures, self.notes, self.counts = 0, [], [], {}
+        self.lock = threading.Lock()
     def check(self, ok: bool, what: str):
-        if ok: self.passed += 1
-        else: self.failures.append(what); print(f'  FAIL {what}', flush=True)
+        with self.lock:
+            if ok: self.passed += 1
+            else: self.failures.append(what); print(f'  FAIL {what}', flush=True)
         return ok
-    def count(self, key, n=1): self.counts[key] = self.counts.get(key, 0) + n
+    def count(self, key, n=1):
+        with self.lock: self.counts[key] = self.counts.get(key, 0) + n
 
 
 def serve(site: Path):
@@ -456,95 +467,131 @@ def walk(site: Path, chromium: str, max_height: int = MAX_HEIGHT, only: list[str
         if url.startswith(published): url = base + url[len(published):]
         return url if url.startswith(base) else None
 
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
-        facts, external, table, worst, figure_text = {}, set(), {}, {'light': {}, 'dark': {}}, {}
-        hosts = {}  # (host, port): whether a connection reaches it
-        pages = list(only) if only else ['index.html']
-        for pass_name, width, scheme in PASSES:
-            light, phone = scheme == 'light', width < 1280
-            ctx = browser.new_context(viewport={'width': width, 'height': 900}, device_scale_factor=1, color_scheme=scheme)
-            # Other hosts (a theme's web fonts, Quarto's MathJax) are allowed: where the network reaches them they
-            # load, and where it does not they fail at once (other_hosts_fail_fast) and are listed, never counted as the
-            # site's own errors.
-            ctx.on('requestfailed', lambda r: external.add(r.url) if not r.url.startswith(base) else None)
-            other_hosts_fail_fast(ctx, base, hosts)
-            i = 0
-            while i < len(pages):
-                name = pages[i]; i += 1
-                where = f'{name} [{pass_name}]'
-                page = ctx.new_page()
-                errors = []
-                page.on('pageerror', lambda e: errors.append(str(e)))
-                page.on('console', lambda m: errors.append(m.text) if m.type == 'error' and 'net::ERR' not in m.text
-                        and 'Failed to load resource' not in m.text else None)
-                resp = page.goto(base + name, wait_until='load')
-                try: drawn = bool(page.wait_for_function(READY, timeout=15_000))  # what a reader sees, drawn
-                except PlaywrightTimeout: drawn = False
-                rep.check(drawn, f'{where}: drawn within 15 s (loaded, fonts in, maths typeset, explorers drawn)')
-                rep.check(resp is not None and resp.ok, f'{where}: loads (HTTP {resp.status if resp else "no response"})')
-                rep.check(not errors, f'{where}: no JavaScript error (got {errors[:3]})')
-                row = table.setdefault(name, {})
+    facts, external, table, worst, figure_text = {}, set(), {}, {'light': {}, 'dark': {}}, {}
+    hosts = {}  # (host, port): whether a connection reaches it
 
-                # Colours, in both schemes. A fresh browser context has no stored choice of the theme toggle
-                # (Quarto keeps it in localStorage), so the page follows prefers-color-scheme: make sure it did.
-                c = page.evaluate(CONTRAST, MIN_CONTRAST)
-                rep.check(c['bodyDark'] == (scheme == 'dark'), f'{where}: the page is in the {scheme} scheme (body background {c["body"]})')
-                low = '; '.join(f"{w['element']} {w['text']!r}: {w['color']} on {w['background']} = {w['ratio']}" for w in c['low'][:4])
-                rep.check(not c['low'], f'{where}: every text has a contrast of at least {MIN_CONTRAST} '
-                                        f'({len(c["low"])} below it of {c["checked"]}; lowest: {low})')
-                rep.count('texts checked', c['checked'])
-                if c['worst']:
+    def sidebar_pages(links: list) -> list:
+        "The pages of the site a sidebar links to, in its order, the landing page first."
+        found = ['index.html']
+        for link in links:
+            target = local(link)
+            if target:
+                pname = urldefrag(target)[0][len(base):] or 'index.html'
+                if pname.endswith('.html') and pname not in found: found.append(pname)
+        return found
+
+    def walk_pass(browser, pass_name: str, width: int, scheme: str):
+        "Open every page at `width` in `scheme`, and check what that view shows."
+        light, phone = scheme == 'light', width < 1280
+        ctx = browser.new_context(viewport={'width': width, 'height': 900}, device_scale_factor=1, color_scheme=scheme)
+        # Other hosts (a theme's web fonts, Quarto's MathJax) are allowed: where the network reaches them they
+        # load, and where it does not they fail at once (other_hosts_fail_fast) and are listed, never counted as the
+        # site's own errors.
+        ctx.on('requestfailed', lambda r: external.add(r.url) if not r.url.startswith(base) else None)
+        other_hosts_fail_fast(ctx, base, hosts)
+        for name in pages:
+            where = f'{name} [{pass_name}]'
+            page = ctx.new_page()
+            errors = []
+            page.on('pageerror', lambda e: errors.append(str(e)))
+            page.on('console', lambda m: errors.append(m.text) if m.type == 'error' and 'net::ERR' not in m.text
+                    and 'Failed to load resource' not in m.text else None)
+            resp = page.goto(base + name, wait_until='load')
+            try: drawn = bool(page.wait_for_function(READY, timeout=15_000))  # what a reader sees, drawn
+            except PlaywrightTimeout: drawn = False
+            rep.check(drawn, f'{where}: drawn within 15 s (loaded, fonts in, maths typeset, explorers drawn)')
+            rep.check(resp is not None and resp.ok, f'{where}: loads (HTTP {resp.status if resp else "no response"})')
+            rep.check(not errors, f'{where}: no JavaScript error (got {errors[:3]})')
+            row = table.setdefault(name, {})
+
+            # Colours, in both schemes. A fresh browser context has no stored choice of the theme toggle
+            # (Quarto keeps it in localStorage), so the page follows prefers-color-scheme: make sure it did.
+            c = page.evaluate(CONTRAST, MIN_CONTRAST)
+            rep.check(c['bodyDark'] == (scheme == 'dark'), f'{where}: the page is in the {scheme} scheme (body background {c["body"]})')
+            low = '; '.join(f"{w['element']} {w['text']!r}: {w['color']} on {w['background']} = {w['ratio']}" for w in c['low'][:4])
+            rep.check(not c['low'], f'{where}: every text has a contrast of at least {MIN_CONTRAST} '
+                                    f'({len(c["low"])} below it of {c["checked"]}; lowest: {low})')
+            rep.count('texts checked', c['checked'])
+            if c['worst']:
+                with rep.lock:  # both light passes write these
                     row[scheme] = min(row.get(scheme, 99), c['worst']['ratio'])
                     if c['worst']['ratio'] < worst[scheme].get('ratio', 99): worst[scheme] = dict(c['worst'], page=where)
-                if phone: check_math_cues(page, where, rep)
+            if phone: check_math_cues(page, where, rep)
 
-                if light:
-                    f = page.evaluate(PAGE_FACTS, width)
-                    colab = [l for l in f['links'] if urlparse(l).netloc.endswith('colab.research.google.com')]
-                    rep.check(not colab, f'{where}: no link to Colab (found {colab[:2]})')
-                if light and not phone:
-                    facts[name] = f
-                    for link in f['sidebar']:
-                        target = local(link)
-                        if target:
-                            pname = urldefrag(target)[0][len(base):] or 'index.html'
-                            if pname.endswith('.html') and pname not in pages and not only: pages.append(pname)
-                    rep.check(f['math'] > 0 or f['mathSource'] == 0, f'{name}: maths is typeset ({f["math"]} typeset elements)')
-                    rep.check(not f['clipped'], f'{name}: no code block or output wider than its box at {width} px '
-                                                f'(found {len(f["clipped"])}: {f["clipped"][:2]})')
-                    rep.check(f['pageNav'] >= 1, f'{name}: has previous/next links at the bottom')
-                    rep.check(not f['wideMath'], f'{name}: every display equation fits its box at {width} px '
-                                                 f'(found {len(f["wideMath"])}: {f["wideMath"][:2]})')
-                    rep.check(not f['twice'], f'{name}: each definition is shown once (twice: {f["twice"]})')
-                    rep.check(not f['brokenHeaders'], f'{name}: no table header breaks inside a word ({f["brokenHeaders"][:3]})')
-                    own = [l for l in f['links'] if l.startswith(published)]
-                    rep.check(not own, f'{name}: links to its own site stay local (found {own[:2]})')
-                    rep.check(f['rawMath'] == 0, f'{name}: no raw TeX delimiters left in the text (found {f["rawMath"]})')
-                    for img in f['images']:
-                        rep.count('images')
-                        rep.check(img['w'] > 0, f'{name}: image loads: {img["src"][:80]} (naturalWidth {img["w"]})')
-                    row.update(widest=f['widest'], height=f['height'])
-                    rep.check(f['height'] <= max_height, f'{name}: at most {max_height:,} px tall at {width} px ({f["height"]:,} px)')
-                    check_explorers(page, name, rep)
-                elif light:
-                    row['phone'] = f['scrollWidth']
-                    rep.check(f['scrollWidth'] <= width + 1,
-                              f'{where}: no sideways scroll (scrollWidth {f["scrollWidth"]} > {width})')
-                    rep.check(not f['cutOff'], f'{where}: nothing wider than {width} px outside a scroll box (found {f["cutOff"]})')
-                    rep.check(not f['codeScrolls'], f'{where}: every code block wraps, its comments on the screen '
-                                                    f'({len(f["codeScrolls"])} scroll: {f["codeScrolls"][:2]})')
-                    check_figure_text(page, name, where, site, base, rep, figure_text)
-                    t = page.evaluate(API_TABLES)
-                    rep.count('API tables', t['tables'])
-                    rep.check(not t['problems'], f'{where}: every API parameter table fits the screen, its descriptions '
-                                                 f'readable ({len(t["problems"])} not: {t["problems"][:3]})')
-                if screenshots:  # for a person to look at; no check reads them
-                    page.screenshot(path=str(shots/f'{Path(name).stem}-{pass_name}.png'), full_page=True)
-                    rep.count('screenshots')
-                page.close()
+            if light:
+                f = page.evaluate(PAGE_FACTS, width)
+                colab = [l for l in f['links'] if urlparse(l).netloc.endswith('colab.research.google.com')]
+                rep.check(not colab, f'{where}: no link to Colab (found {colab[:2]})')
+            if light and not phone:
+                facts[name] = f
+                if not only:  # every page's sidebar lists the pages the landing page's does
+                    listed = sidebar_pages(f['sidebar'])
+                    rep.check(listed == pages, f'{name}: its sidebar lists the pages of the landing page\'s '
+                                               f'(differs in {sorted(set(listed) ^ set(pages))[:4]})')
+                rep.check(f['math'] > 0 or f['mathSource'] == 0, f'{name}: maths is typeset ({f["math"]} typeset elements)')
+                rep.check(not f['clipped'], f'{name}: no code block or output wider than its box at {width} px '
+                                            f'(found {len(f["clipped"])}: {f["clipped"][:2]})')
+                rep.check(f['pageNav'] >= 1, f'{name}: has previous/next links at the bottom')
+                rep.check(not f['wideMath'], f'{name}: every display equation fits its box at {width} px '
+                                             f'(found {len(f["wideMath"])}: {f["wideMath"][:2]})')
+                rep.check(not f['twice'], f'{name}: each definition is shown once (twice: {f["twice"]})')
+                rep.check(not f['brokenHeaders'], f'{name}: no table header breaks inside a word ({f["brokenHeaders"][:3]})')
+                own = [l for l in f['links'] if l.startswith(published)]
+                rep.check(not own, f'{name}: links to its own site stay local (found {own[:2]})')
+                rep.check(f['rawMath'] == 0, f'{name}: no raw TeX delimiters left in the text (found {f["rawMath"]})')
+                for img in f['images']:
+                    rep.count('images')
+                    rep.check(img['w'] > 0, f'{name}: image loads: {img["src"][:80]} (naturalWidth {img["w"]})')
+                row.update(widest=f['widest'], height=f['height'])
+                rep.check(f['height'] <= max_height, f'{name}: at most {max_height:,} px tall at {width} px ({f["height"]:,} px)')
+                check_explorers(page, name, rep)
+            elif light:
+                row['phone'] = f['scrollWidth']
+                rep.check(f['scrollWidth'] <= width + 1,
+                          f'{where}: no sideways scroll (scrollWidth {f["scrollWidth"]} > {width})')
+                rep.check(not f['cutOff'], f'{where}: nothing wider than {width} px outside a scroll box (found {f["cutOff"]})')
+                rep.check(not f['codeScrolls'], f'{where}: every code block wraps, its comments on the screen '
+                                                f'({len(f["codeScrolls"])} scroll: {f["codeScrolls"][:2]})')
+                check_figure_text(page, name, where, site, base, rep, figure_text)
+                t = page.evaluate(API_TABLES)
+                rep.count('API tables', t['tables'])
+                rep.check(not t['problems'], f'{where}: every API parameter table fits the screen, its descriptions '
+                                             f'readable ({len(t["problems"])} not: {t["problems"][:3]})')
+            if screenshots:  # for a person to look at; no check reads them
+                page.screenshot(path=str(shots/f'{Path(name).stem}-{pass_name}.png'), full_page=True)
+                rep.count('screenshots')
+            page.close()
+        ctx.close()
+
+    def walk_passes(group: list, errors: list):
+        "One thread: its own Playwright and browser (Playwright's objects belong to the thread that made them)."
+        try:
+            with sync_playwright() as p:
+                browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
+                for pass_name, width, scheme in group: walk_pass(browser, pass_name, width, scheme)
+                browser.close()
+        except BaseException as e: errors.append(e)
+
+    with sync_playwright() as p:  # the pages: those the landing page's sidebar lists
+        browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
+        if only: pages = list(only)
+        else:
+            ctx = browser.new_context(viewport={'width': 1280, 'height': 900})
+            other_hosts_fail_fast(ctx, base, hosts)
+            page = ctx.new_page()
+            page.goto(base + 'index.html', wait_until='load')
+            pages = sidebar_pages(page.evaluate(PAGE_FACTS, 1280)['sidebar'])
             ctx.close()
-        rep.counts['pages'] = len(pages)
+        browser.close()
+    failed = []  # what a thread raised
+    threads = [threading.Thread(target=walk_passes, args=(group, failed)) for group in PASS_GROUPS]
+    for t in threads: t.start()
+    for t in threads: t.join()
+    if failed: raise failed[0]
+    rep.counts['pages'] = len(pages)
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
 
         # links and anchors, against the ids collected from every page
         ids = {name: set(f['ids']) for name, f in facts.items()}
@@ -621,7 +668,8 @@ def walk(site: Path, chromium: str, max_height: int = MAX_HEIGHT, only: list[str
     print(f'\n{"page":<18}{"height at 1280":>15}{"widest code / box at 1280":>27}{"page width at 390":>19}'
           f'{"lowest contrast light / dark":>30}{"figure text at 390":>20}')
     fig_px = figure_text.get('pages', {})
-    for name, r in table.items():
+    for name in pages:  # in the sidebar's order (two threads filled the table)
+        r = table.get(name, {})
         (text, box), over = r.get('widest', (None, None)), ' > limit' if r.get('height', 0) > max_height else ''
         fig = f"{fig_px[name]:.1f} px" if name in fig_px else '-'
         print(f"{name:<18}{r.get('height', 0):>12,} px{text!s:>13} / {box!s:>4} px{r.get('phone')!s:>16} px"

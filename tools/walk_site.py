@@ -44,9 +44,9 @@ from urllib.parse import unquote, urldefrag, urljoin, urlparse
 ROOT = Path(__file__).resolve().parents[1]
 # (name, viewport width, colour scheme): only the light ones check layout and links.
 PASSES = [('desktop', 1280, 'light'), ('phone', 390, 'light'), ('desktop-dark', 1280, 'dark'), ('phone-dark', 390, 'dark')]
-# The passes run in two threads, each with its own browser: a walk waits on pages being drawn about half of its time
-# (55 % of a core, one pass after another), so two keep both cores busy. Each thread takes a heavy light pass and a
-# dark one.
+# The passes run in two threads, each with its own browser: one pass after another, the walk kept about half a core
+# busy (it waits on pages being drawn), and two at a time it takes about 5/6 of the time. Each thread takes one of the
+# light passes, which check more, and one dark pass.
 PASS_GROUPS = [[PASSES[0], PASSES[3]], [PASSES[1], PASSES[2]]]
 MIN_CONTRAST = 4.5      # WCAG 2 AA for body text; the walk asks it of every text, large or small
 MAX_HEIGHT = 20_000     # px at 1280: the project's limit on a page's length (--max-height)
@@ -66,7 +66,7 @@ CHROMIUM_ARGS = ['--no-sandbox', '--disable-gpu', '--no-first-run', '--disable-b
 
 
 class Report:
-    "What the checks found; the passes that run side by side (WORKERS threads) report into one, under its lock."
+    "What the checks found: the passes that run side by side (PASS_GROUPS, a thread each) report here, under a lock."
     def __init__(self):
         self.passed, self.failures, self.notes, self.counts = 0, [], [], {}
         self.lock = threading.Lock()

@@ -165,6 +165,18 @@ def test_every_next_sentence_names_the_next_page():
         assert all(s == page(order[i + 1]) for s in said), f'{nb}: says next is {said}, footer: {page(order[i + 1])}'
 
 
+def test_a_link_named_for_a_page_opens_that_page():
+    "A link whose text is a page's title opens that page: [Measurements](measurements_gpu.html) once sent readers elsewhere."
+    titles = {}
+    for nb in NOTEBOOKS:
+        title = re.match(r'#\s+(.+)', cells(nb, 'markdown')[0])
+        if title: titles[title.group(1).strip().lower()] = page(nb.name)
+    wrong = [(nb.name, text, href) for nb in NOTEBOOKS for src in cells(nb, 'markdown')
+             for text, href in re.findall(r'\[([^\]]+)\]\((\w+\.html)', src)
+             if titles.get(text.lower(), href) != href]
+    assert not wrong, f'link text names one page, the link opens another: {wrong}'
+
+
 DEFINITION = re.compile(r'^(?:class|def)\s+(\w+)(?:\(self:(\w+))?', re.M)  # a method added with @patch: its class
 
 

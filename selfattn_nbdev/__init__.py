@@ -10,7 +10,8 @@ __all__ = ['SelfAttention', 'check_tokens', 'check_size', 'check_flag', 'check_c
            'MultiHeadAttentionWrapper', 'MultiHeadAttention', 'to_torch_multihead', 'KVCache', 'StaticKVCache',
            'TinyGPT', 'generate', 'generate_stream', 'sample_next', 'repeat_kv', 'window_allowed', 'window_mask',
            'rope_angles', 'apply_rope', 'causal', 'sliding_window', 'key_padding', 'documents', 'and_masks', 'or_masks',
-           'dense_mask', 'attention_kernel', 'tiled_attention', 'AttentionExplorer', 'package_attention']
+           'dense_mask', 'attention_kernel', 'tiled_attention', 'AttentionExplorer', 'package_attention', 'from_hf',
+           'save_hf']
 
 # %% ../nbs/index.ipynb #e26eca70
 # Later pages add to the modules of earlier ones (MultiHeadAttention gains a cache,
@@ -35,6 +36,7 @@ from .kernels import attention_kernel
 from .tiled import tiled_attention
 from . import mods as _mods  # MultiHeadAttention's 'block' path
 from .explorer import AttentionExplorer, package_attention
+from .pretrained import from_hf, save_hf
 # the families of later pages: each module adds its line to from_hf's FAMILIES
 from . import gemma4 as _gemma4, hybrid as _hybrid
 from . import smollm3 as _smollm3, olmo as _olmo
@@ -53,7 +55,7 @@ _all_ = ['SelfAttention', 'check_tokens', 'check_size', 'check_flag', 'check_cou
          'window_mask', 'rope_angles', 'apply_rope',
          'causal', 'sliding_window', 'key_padding', 'documents', 'and_masks',
          'or_masks', 'dense_mask', 'attention_kernel', 'tiled_attention',
-         'AttentionExplorer', 'package_attention']
+         'AttentionExplorer', 'package_attention', 'from_hf', 'save_hf']
 
 # %% ../nbs/index.ipynb #ea012ec9
 # two modules are named for what they hold (GQA, windows and RoPE; the attention of

@@ -59,6 +59,12 @@ LLAMA_CFG = dict(hidden_size=8, num_attention_heads=2, num_hidden_layers=1, voca
                  max_position_embeddings=8)
 
 
+def _llama_of(config: dict):
+    "The Llama a config describes, as from_hf builds it (random weights): what save_hf may be asked to write."
+    build, sizes, *_ = P._family(dict(config, model_type='llama'))
+    return build(**sizes)
+
+
 def _bad_gpt2_state():
     "A GPT-2 state dict in Hugging Face's names whose token table has 3 rows, not 10."
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -340,6 +346,13 @@ CASES = {
         torch.randn(1, 3, 8), document_ids=torch.zeros(1, 3, dtype=torch.long)), ValueError, ['document_ids']),
     'deepseek_weight_map layers': (lambda: P.deepseek_weight_map(0), ValueError, ['num_layers', '0']),
     'from_hf config': (lambda: P.from_hf({}, 'config.json'), TypeError, ['config', 'str']),
+    'save_hf no config': (lambda: P.save_hf(GPT, 'unwritten'), ValueError, ['config is None', 'hf_config']),
+    'save_hf model': (lambda: P.save_hf(GPT, 'unwritten', dict(LLAMA_CFG, model_type='llama')), TypeError,
+                      ['Llama', 'model=TinyGPT']),
+    'save_hf folder': (lambda: P.save_hf(_llama_of(LLAMA_CFG), 3, dict(LLAMA_CFG, model_type='llama')), TypeError,
+                       ['folder', 'int']),
+    'save_hf overwrite': (lambda: P.save_hf(_llama_of(LLAMA_CFG), 'unwritten', dict(LLAMA_CFG, model_type='llama'),
+                                            overwrite='yes'), TypeError, ['overwrite', "'yes'"]),
     # --- attention since 2023
     'LlamaAttention head_dim': (lambda: RC.LlamaAttention(8, 8, 2, head_dim=0), ValueError, ['head_dim', '0']),
     'LlamaAttention qk_norm': (lambda: RC.LlamaAttention(8, 8, 2, qk_norm='yes'), TypeError, ['qk_norm', "'yes'"]),

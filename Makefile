@@ -46,7 +46,7 @@ test-quick: $(INSTALLED) ## the edit loop: make test without coverage, `#| slow`
 # worker runs torch on one thread: nbdev starts as many workers as there are cores, and two of torch's threads to a
 # worker make them wait on each other (a notebook took 134 s that way instead of 14 s on a busy 2-core machine).
 test-nbdev: $(INSTALLED) ## nbdev_test over every notebook (skips `#| slow` cells), several to a process, timed; CI runs it
-	OMP_NUM_THREADS=1 $(BIN)/nbdev_test --timing
+	$(call in_scratch,OMP_NUM_THREADS=1 $(BIN)/nbdev_test --timing)
 
 test-site: $(INSTALLED) ## build the site, serve it on 127.0.0.1 and walk every page in headless Chromium
 	$(PY) -m pytest -m site -s -q
@@ -67,9 +67,14 @@ bench: $(INSTALLED) ## time the attention paths against PyTorch's, generation, e
 # Run notebooks top to bottom from their own folder with nbdev's engine (execnb's exec_nb), stopping at the first
 # cell that raises, and save them with their fresh outputs, cleaned.
 run_nbs = @for nb in $(1); do \
-	  (cd "$$(dirname $$nb)" && $(abspath $(BIN))/exec_nb "$$(basename $$nb)" --dest "$$(basename $$nb)" --exc_stop) \
+	  (cd "$$(dirname $$nb)" && scratch=$$(mktemp -d) && trap 'rm -rf "$$scratch"' EXIT && \
+	   TMPDIR="$$scratch" $(abspath $(BIN))/exec_nb "$$(basename $$nb)" --dest "$$(basename $$nb)" --exc_stop) \
 	  && $(BIN)/nbdev_clean --fname "$$nb" && echo "ran and saved $$nb" || exit 1; \
 	done
+
+# Run a command with TMPDIR in a folder of its own, removed after it: the pages save checkpoints to temporary folders
+# (tempfile.mkdtemp(), as a reader would), which would otherwise pile up in /tmp run after run.
+in_scratch = @scratch=$$(mktemp -d) && trap 'rm -rf "$$scratch"' EXIT && TMPDIR="$$scratch" $(1)
 
 run: $(INSTALLED) ## run notebooks and save their outputs: make run NB="nbs/03_causal.ipynb nbs/04_multihead.ipynb"
 	@test -n "$(NB)" || { echo 'name the notebooks: make run NB="nbs/03_causal.ipynb ..."'; exit 1; }

@@ -213,13 +213,21 @@ def _run_in_child(path: Path, nb, todo: set) -> tuple[list, str | None, list]:
     failure or None, and each cell run's (number, seconds, first line). A notebook sets things for its whole process
     (matplotlib's rc and font state, torch's print options, seeds); in a fork, none of it reaches the next notebook
     that this xdist worker runs."""
-    import multiprocessing, sys, time
+    import multiprocessing, sys, tempfile, time
     from execnb.shell import CaptureShell  # with matplotlib and IPython: imported once here, not in every child
     _warm_imports()
+    with tempfile.TemporaryDirectory(prefix=f'{path.stem}-') as scratch:  # removed after the child, whatever happens
+        return _fork_and_run(path, nb, todo, CaptureShell, scratch)
+
+
+def _fork_and_run(path: Path, nb, todo: set, CaptureShell, scratch: str) -> tuple[list, str | None, list]:
+    "_run_in_child's work. The notebook's temporary folders (tempfile.mkdtemp(), a saved checkpoint) go in `scratch`."
+    import multiprocessing, sys, tempfile, time
     reader, writer = multiprocessing.get_context('fork').Pipe(duplex=False)
     def child():
         # GNU OpenMP hangs in a fork whose parent has run torch on several threads: keep the child on one
         if 'torch' in sys.modules: sys.modules['torch'].set_num_threads(1)
+        tempfile.tempdir = os.environ['TMPDIR'] = scratch  # the child leaves by os._exit: nothing of its own is cleaned
         before = process_state()
         shell, error, small_text = CaptureShell(path), None, []
         _guard_figure_text(shell, small_text, path)

@@ -66,15 +66,14 @@ bench: $(INSTALLED) ## time the attention paths against PyTorch's, generation, e
 
 # Run notebooks top to bottom from their own folder with nbdev's engine (execnb's exec_nb), stopping at the first
 # cell that raises, and save them with their fresh outputs, cleaned.
-run_nbs = @for nb in $(1); do \
-	  (cd "$$(dirname $$nb)" && scratch=$$(mktemp -d) && trap 'rm -rf "$$scratch"' EXIT && \
-	   TMPDIR="$$scratch" $(abspath $(BIN))/exec_nb "$$(basename $$nb)" --dest "$$(basename $$nb)" --exc_stop) \
+run_nbs = $(call in_scratch,for nb in $(1); do \
+	  (cd "$$(dirname $$nb)" && $(abspath $(BIN))/exec_nb "$$(basename $$nb)" --dest "$$(basename $$nb)" --exc_stop) \
 	  && $(BIN)/nbdev_clean --fname "$$nb" && echo "ran and saved $$nb" || exit 1; \
-	done
+	done)
 
 # Run a command with TMPDIR in a folder of its own, removed after it: the pages save checkpoints to temporary folders
 # (tempfile.mkdtemp(), as a reader would), which would otherwise pile up in /tmp run after run.
-in_scratch = @scratch=$$(mktemp -d) && trap 'rm -rf "$$scratch"' EXIT && TMPDIR="$$scratch" $(1)
+in_scratch = @scratch=$$(mktemp -d) && trap 'rm -rf "$$scratch"' EXIT && export TMPDIR="$$scratch" && $(1)
 
 run: $(INSTALLED) ## run notebooks and save their outputs: make run NB="nbs/03_causal.ipynb nbs/04_multihead.ipynb"
 	@test -n "$(NB)" || { echo 'name the notebooks: make run NB="nbs/03_causal.ipynb ..."'; exit 1; }

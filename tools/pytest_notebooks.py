@@ -213,16 +213,16 @@ def _run_in_child(path: Path, nb, todo: set) -> tuple[list, str | None, list]:
     failure or None, and each cell run's (number, seconds, first line). A notebook sets things for its whole process
     (matplotlib's rc and font state, torch's print options, seeds); in a fork, none of it reaches the next notebook
     that this xdist worker runs."""
+    import tempfile
+    with tempfile.TemporaryDirectory(prefix=f'{path.stem}-') as scratch:  # removed after the child, whatever happens
+        return _fork_and_run(path, nb, todo, scratch)
+
+
+def _fork_and_run(path: Path, nb, todo: set, scratch: str) -> tuple[list, str | None, list]:
+    "_run_in_child's work. The notebook's temporary folders (tempfile.mkdtemp(), a saved checkpoint) go in `scratch`."
     import multiprocessing, sys, tempfile, time
     from execnb.shell import CaptureShell  # with matplotlib and IPython: imported once here, not in every child
     _warm_imports()
-    with tempfile.TemporaryDirectory(prefix=f'{path.stem}-') as scratch:  # removed after the child, whatever happens
-        return _fork_and_run(path, nb, todo, CaptureShell, scratch)
-
-
-def _fork_and_run(path: Path, nb, todo: set, CaptureShell, scratch: str) -> tuple[list, str | None, list]:
-    "_run_in_child's work. The notebook's temporary folders (tempfile.mkdtemp(), a saved checkpoint) go in `scratch`."
-    import multiprocessing, sys, tempfile, time
     reader, writer = multiprocessing.get_context('fork').Pipe(duplex=False)
     def child():
         # GNU OpenMP hangs in a fork whose parent has run torch on several threads: keep the child on one

@@ -146,8 +146,9 @@ def _check_call(self:TinyGPT,
                          f"{seen + num_new}, more than context_length="
                          f"{self.context_length}")
 
-# name: (model, token_ids, caches, attn_inputs) -> positions: its attention's, where a
-# later page that adds an input to the attention says what a model does with it
+# name: (the input it reads, or None: every call; part(model, token_ids, caches,
+# attn_inputs) -> positions or NotImplemented): its attention's, where a later page
+# that adds an input to the attention says what a model does with it
 TinyGPT._call_parts = MultiHeadAttention._model_parts
 
 @patch
@@ -158,7 +159,8 @@ def _positions(self:TinyGPT,
               ) -> Tensor: # (b | 1, num_tokens): the position of each token
     "A later page's part's answer, if it has one; else 0, 1, ... or after the cache."
     positions = NotImplemented
-    for part in self._call_parts.values():  # each is asked: it readies its input
+    for needs, part in self._call_parts.values():  # asked: it readies its input
+        if needs is not None and attn_inputs.get(needs) is None: continue  # not given
         answer = part(self, token_ids, caches, attn_inputs)
         if positions is NotImplemented: positions = answer  # the first answer
     if positions is not NotImplemented: return positions

@@ -363,8 +363,8 @@ def _opened_once(m:MultiHeadAttention, # the module: its causal flag, window, ru
                 allowed = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
             if key_padding_mask is None: return allowed, None  # each query sees itself
         else:  # yours: as `_allowed` with your rule, the causal mask not built
-            allowed = _dense_once(mask_mod, num_tokens, num_tokens, batch, m.num_heads,
-                                  device, masks)
+            allowed = _dense(mask_mod, num_tokens, num_tokens, batch, m.num_heads,
+                             device)  # (b, h, T, T): make runs once a forward
             if key_padding_mask is not None:                    # (b, 1, 1, T)
                 allowed = allowed & ~key_padding_mask[:, None, None, :]
             if document_ids is not None:                        # (b, 1, T, T)
@@ -725,8 +725,8 @@ def _windowed(model:torch.nn.Module) -> bool: # a block that slides: a mask to s
         if window is not None: return True
     return False
 
-# it answers no positions; the documents' part below may (every part is asked)
-MultiHeadAttention._model_parts['forward_masks'] = _forward_masks_part
+# it answers no positions; the documents' part below may (asked with documents)
+MultiHeadAttention._model_parts['forward_masks'] = (None, _forward_masks_part)
 
 # %% ../nbs/11_kernels.ipynb #15ed15b8
 def _documents_call_part(
@@ -754,7 +754,8 @@ def _documents_call_part(
     attn_inputs['document_ids'] = _share_across_blocks(document_ids)  # one mask
     return positions
 
-MultiHeadAttention._model_parts['documents'] = _documents_call_part  # TinyGPT's too
+MultiHeadAttention._model_parts['documents'] = ('document_ids',  # TinyGPT's too
+                                               _documents_call_part)
 
 # %% ../nbs/11_kernels.ipynb #1dfd43cb
 @contextlib.contextmanager

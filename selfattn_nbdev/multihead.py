@@ -308,8 +308,9 @@ def _check_scale(scale) -> None:
 
 # name: (the keyword inputs it takes, part(module, x, padding, cache, inputs) -> pos.)
 MultiHeadAttention._call_parts = {}
-# name: part(model, token_ids, caches, inputs) -> positions or NotImplemented: what a
-# model built of these blocks does once a call with a later page's input (documents)
+# name: (the input it reads, or None: every call; part(model, token_ids, caches,
+# inputs) -> positions or NotImplemented): what a model built of these blocks does
+# once a call with a later page's input (documents)
 MultiHeadAttention._model_parts = {}
 
 @patch

@@ -275,7 +275,7 @@ def test_a_mask_mod_alone_builds_no_causal_mask_and_opens_empty_rows_once(monkey
     def late(b, h, q_idx, kv_idx): return (kv_idx <= q_idx) & (q_idx >= 3)  # queries 0-2: no key
     with torch.no_grad(), attention_kernel('explicit'): explicit = model(ids, mask_mod=late)
     causal_built = _count_calls(monkeypatch, multihead, 'causal_allowed', slice(0, 1))
-    dense_built = _count_calls(monkeypatch, kernels, '_dense_once', slice(1, 3))
+    dense_built = _count_calls(monkeypatch, kernels, '_dense', slice(1, 3))
     with torch.no_grad(): fused = model(ids, mask_mod=late)
     assert causal_built == [] and dense_built == [(24, 24)], (causal_built, dense_built)
     assert torch.allclose(fused, explicit, atol=1e-5)
@@ -295,8 +295,10 @@ def test_a_mask_mod_with_padding_or_documents_builds_its_mask_once_a_forward(mon
               dict(document_ids=torch.tensor([[0] * 10 + [1] * 14, [0] * 20 + [1] * 4])))
     with torch.no_grad(), attention_kernel('explicit'): explicit = model(ids, mask_mod=late, **inputs)
     causal_built = _count_calls(monkeypatch, multihead, 'causal_allowed', slice(0, 1))
-    opened = _count_calls(monkeypatch, kernels, '_dense_once', slice(1, 3))
+    opened = _count_calls(monkeypatch, kernels, '_dense',  # your mask_mod's, not the documents'
+                          lambda a: a[1:3] if a[0] is late else None)
     with torch.no_grad(): fused = model(ids, mask_mod=late, **inputs)
+    opened = [sizes for sizes in opened if sizes is not None]
     assert causal_built == [] and opened == [(24, 24)], (causal_built, opened)
     real = ~padding[..., None] if given == 'padding' else torch.ones(2, 24, 1, dtype=torch.bool)
     assert torch.allclose(fused * real, explicit * real, atol=1e-5)
@@ -583,7 +585,7 @@ def test_what_a_forward_hands_its_blocks_to_share_their_masks():
         windowed(ids); windowed(ids)
     plain, modded, prefill, step, first, second = seen
     assert plain is None and prefill is None and step is None, seen
-    assert len(modded) == 2 and len(first) == 1  # the mod's dense mask and SDPA's form of it; the window's
+    assert len(modded) == 1 and len(first) == 1  # SDPA's form of the mod's mask; the window's
     assert first is not second and len(second) == 1  # made again the next forward: nothing kept between calls
     assert kernels._switches.masks is None
 

@@ -643,7 +643,10 @@ def _attend_masked(self:MultiHeadAttention,
     opened, dead = _opened_once(self, T, queries.shape[0], queries.device,  # SDPA, the
                                 key_padding_mask, document_ids, mask_mod,   # dense mask
                                 _forward_masks)
-    context = self._attend_fused(queries, keys, values, opened, every_row=True)
+    context = F.scaled_dot_product_attention(  # the kernel chosen: SDPA, every row
+        queries, keys, values, attn_mask=opened,  # sees a key; GQA's k, v repeated
+        dropout_p=self.dropout.p if self.training else 0.0,  # by the kernel
+        enable_gqa=self.num_kv_heads != self.num_heads)
     return context if dead is None else context.masked_fill(dead, 0.0)  # no key: 0
 
 # %% ../nbs/11_kernels.ipynb #e3f2a6f4

@@ -352,24 +352,9 @@ def _inputs(self:MultiHeadAttention,
         x = torch.where(key_padding_mask[..., None], x.nan_to_num(0.0, 0.0, 0.0), x)
     return x, key_padding_mask, unbatched, positions
 
-# name: the name of a later page's method (q, k, v, padding, **inputs) -> context
+# name: the name of a later page's method (q, k, v, padding, **inputs) -> context or
+# None, for a whole sequence on the fused path (`_attend`, below, asks each in turn)
 MultiHeadAttention._kernel_choices = {}
-
-@patch
-def _attend_whole(self:MultiHeadAttention,
-                  queries:Tensor, keys:Tensor, values:Tensor, # (b, h | kv, T, hd)
-                  key_padding_mask:Tensor|None, # bool (b, T), True = padding
-                  mask_inputs:dict, # a later page's: documents, your mask or scores
-                 ) -> Tensor: # context, (b, num_heads, T, head_dim)
-    "A whole sequence, fused: a later page's choice of kernel, else SDPA as below."
-    for method in self._kernel_choices.values():  # looked up: subclasses refine it
-        context = getattr(self, method)(queries, keys, values, key_padding_mask,
-                                        **mask_inputs)
-        if context is not None: return context
-    T = queries.shape[2]
-    allowed = (None if key_padding_mask is None else
-               self._allowed(T, T, key_padding_mask))  # (b, 1, T, T): padding
-    return self._attend_fused(queries, keys, values, allowed)
 
 # %% ../nbs/04_multihead.ipynb #214c0ee7
 @patch
@@ -388,7 +373,12 @@ def _attend(self:MultiHeadAttention,
         return self._attend_explicit(queries, keys, values, allowed, **more)
     if cached: return self._attend_fused(queries, keys, values, allowed,
                                          every_row=True), None
-    return self._attend_whole(queries, keys, values, key_padding_mask, more), None
+    for method in self._kernel_choices.values():  # a later page's choice of kernel;
+        context = getattr(self, method)(  # looked up: a subclass refines it
+            queries, keys, values, key_padding_mask, **more)
+        if context is not None: return context, None
+    if key_padding_mask is not None: allowed = self._allowed(T, T, key_padding_mask)
+    return self._attend_fused(queries, keys, values, allowed), None  # (b, 1, T, T)
 
 # %% ../nbs/04_multihead.ipynb #ea23c311
 @patch

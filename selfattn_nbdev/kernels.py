@@ -606,9 +606,12 @@ def _attend_masked(self:MultiHeadAttention,
     own = self._score_mod() is not None           # the module's own: reads the score
     scored = own or score_mod is not None
     padded = key_padding_mask is not None or document_ids is not None
+    sdpa = functools.partial(F.scaled_dot_product_attention,  # GQA: the kernel
+        dropout_p=self.dropout.p if self.training else 0.0,   # repeats k and v
+        enable_gqa=self.num_kv_heads != self.num_heads)
     if not (forced or padded or scored or mask_mod is not None  # causal, or none (a
             or self.window is not None and self.window < T):  # window hides nothing):
-        return self._attend_fused(queries, keys, values)  # SDPA's flag, no mask
+        return sdpa(queries, keys, values, is_causal=self.causal and T > 1)  # no mask
     by_run = (mask_mod is None and score_mod is None and
               _cuts_into_runs(self.window, key_padding_mask, document_ids, queries))
     choice = forced or self._pick(queries, T, by_run and self.window is None, scored)
@@ -643,10 +646,7 @@ def _attend_masked(self:MultiHeadAttention,
     opened, dead = _opened_once(self, T, queries.shape[0], queries.device,  # SDPA, the
                                 key_padding_mask, document_ids, mask_mod,   # dense mask
                                 _forward_masks)
-    context = F.scaled_dot_product_attention(  # the kernel chosen: SDPA, every row
-        queries, keys, values, attn_mask=opened,  # sees a key; GQA's k, v repeated
-        dropout_p=self.dropout.p if self.training else 0.0,  # by the kernel
-        enable_gqa=self.num_kv_heads != self.num_heads)
+    context = sdpa(queries, keys, values, attn_mask=opened)  # every row sees a key
     return context if dead is None else context.masked_fill(dead, 0.0)  # no key: 0
 
 # %% ../nbs/11_kernels.ipynb #e3f2a6f4

@@ -515,15 +515,6 @@ def _each_run(queries:Tensor, keys:Tensor, values:Tensor, # (b, heads, T, head_d
     return _in_runs(queries, keys, values, runs, lambda q, k, v: _by_run(
         q, k, v, runs.cu_seqlens.tolist(), attend))
 
-@patch
-def _pick(self:MultiHeadAttention, queries:Tensor, num_keys:int,
-          runs_only:bool, scored:bool=False) -> str: # pick_kernel's answer
-    "`pick_kernel` for these queries, with this module's dropout."
-    return pick_kernel(queries.device.type, True, queries.shape[2], num_keys,
-                       queries.requires_grad, self.dropout.p if self.training else 0.0,
-                       runs_only, queries.dtype in (torch.float16, torch.bfloat16),
-                       scored)
-
 def _refuse_kernel(kernel:str, why:str):
     "attention_kernel asked for a kernel that cannot take this call: say why."
     raise ValueError(f"attention_kernel({kernel!r}) cannot take this call: {why}")
@@ -606,18 +597,21 @@ def _attend_masked(self:MultiHeadAttention,
     own = self._score_mod() is not None           # the module's own: reads the score
     scored = own or score_mod is not None
     padded = key_padding_mask is not None or document_ids is not None
-    sdpa = functools.partial(F.scaled_dot_product_attention,  # GQA: the kernel
-        dropout_p=self.dropout.p if self.training else 0.0,   # repeats k and v
-        enable_gqa=self.num_kv_heads != self.num_heads)
+    dropout = self.dropout.p if self.training else 0.0
+    sdpa = functools.partial(F.scaled_dot_product_attention, dropout_p=dropout,
+                             enable_gqa=self.num_kv_heads != self.num_heads)  # GQA
     if not (forced or padded or scored or mask_mod is not None  # causal, or none (a
             or self.window is not None and self.window < T):  # window hides nothing):
         return sdpa(queries, keys, values, is_causal=self.causal and T > 1)  # no mask
     by_run = (mask_mod is None and score_mod is None and
               _cuts_into_runs(self.window, key_padding_mask, document_ids, queries))
-    choice = forced or self._pick(queries, T, by_run and self.window is None, scored)
+    half = queries.dtype in (torch.float16, torch.bfloat16)
+    pick = functools.partial(pick_kernel, queries.device.type, True, T, T,  # for this
+                             queries.requires_grad, dropout, half=half)     # call
+    choice = forced or pick(by_run and self.window is None, scored=scored)
     if (not forced and by_run and choice in ('dense', 'block', 'explicit')
             and not (own and queries.is_cuda)     # runs cost less than the mask
-            and self._pick(queries, T, runs_only=True) == 'varlen'): choice = 'varlen'
+            and pick(runs_only=True) == 'varlen'): choice = 'varlen'
     if choice == 'varlen' and by_run and own:     # the cap, on each run alone
         explicit = lambda q, k, v: self._attend_explicit(q, k, v)[0]
         context = _each_run(queries, keys, values, key_padding_mask, document_ids,
@@ -634,7 +628,7 @@ def _attend_masked(self:MultiHeadAttention,
         if forced: _refuse_kernel(forced, "runs take padding and documents, no "
                                           "mask_mod or score_mod, and a window only "
                                           "over gapless rows")
-        choice = self._pick(queries, T, runs_only=False, scored=scored)
+        choice = pick(runs_only=False, scored=scored)
     if choice.startswith('flex'):  # FlexAttention: tiles skipped, no dense mask
         return self._attend_flex(queries, keys, values, key_padding_mask, document_ids,
                                  choice == 'flex', mask_mod, score_mod, _forward_masks)

@@ -79,7 +79,7 @@ def _qkv(self:GatedAttention,
          x:Tensor, # tokens, (b, num_tokens, d_model)
         ) -> list: # queries (b, heads, T, hd); keys, values (b, kv_heads, T, hd)
     "Queries, keys, values in heads; each query's gate g_t kept for `_merge_heads`."
-    if not self.output_gate: return LlamaAttention._qkv(self, x)
+    if not self.output_gate: return super(GatedAttention, self)._qkv(x)
     both, keys, values = project(x, self.W_query, self.W_key, self.W_value)
     b, T, _ = x.shape
     both = both.view(b, T, self.num_heads, 2 * self.head_dim)  # (b, T, h, 2 hd)
@@ -95,7 +95,7 @@ def _merge_heads(self:GatedAttention,
                  context:Tensor, # z per head, (b, heads, num_tokens, head_dim)
                 ) -> Tensor: # (b, num_tokens, heads * head_dim): sigmoid(g) * z
     "The heads side by side, each number times the sigmoid of its gate (1)."
-    merged = LlamaAttention._merge_heads(self, context)         # (b, T, h hd)
+    merged = super(GatedAttention, self)._merge_heads(context)  # (b, T, h hd)
     if not self.output_gate: return merged
     gates = _TRACED_GATES if torch.compiler.is_compiling() else _GATES.get({})
     gate = gates.pop(id(self), None)                 # taken: nothing stays behind
@@ -257,7 +257,7 @@ def new_caches(self:Qwen35,
                pads:Tensor|None=None, # with a capacity: left padding of each row
               ) -> list:
     "One cache per block: a `HybridCache` for a linear block, a KV cache for the rest."
-    kv = TinyGPT.new_caches(self, capacity, pads)   # checks capacity and pads
+    kv = super(Qwen35, self).new_caches(capacity, pads)  # checks capacity, pads
     return [HybridCache(pads) if block.linear else cache
             for block, cache in zip(self.blocks, kv)]
 

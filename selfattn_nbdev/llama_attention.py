@@ -191,7 +191,7 @@ def _scale(self:LlamaAttention) -> float: # c in softmax(c q·k)
 @patch
 def _softmax(self:LlamaAttention, attn_scores:Tensor) -> Tensor: # (b, h, T, S)
     "With sinks, one more logit per head in every denominator; else the softmax."
-    if self.sinks is None: return MultiHeadAttention._softmax(self, attn_scores)
+    if self.sinks is None: return super(LlamaAttention, self)._softmax(attn_scores)
     return softmax_with_sink(attn_scores, self.sinks)      # no key: all on the sink
 
 SINK_BLOCK = 64  # tokens per tile on the sinks' path
@@ -278,8 +278,8 @@ def _attend_fused(self:LlamaAttention, queries, keys, values, allowed=None,
                   every_row=False):
     "SDPA; with a cap or sinks: a cache's mask tiled (sinks) or explicit; else masked."
     if self.softcap is None and self.sinks is None:
-        return MultiHeadAttention._attend_fused(self, queries, keys, values, allowed,
-                                                every_row)
+        parent = super(LlamaAttention, self)  # MultiHeadAttention's
+        return parent._attend_fused(queries, keys, values, allowed, every_row)
     if allowed is None and not every_row:  # a whole sequence: the one choice
         return self._attend_masked(queries, keys, values)
     if self._sinks_tiled(queries.shape[2]):
@@ -293,9 +293,9 @@ def _attend_masked(self:LlamaAttention, queries, keys, values, key_padding_mask=
                    _forward_masks=None): # a model's forward: the masks its blocks share
     "Sinks: the tiled kernel and its L (explicit under dropout); else the one choice."
     if self.sinks is None:
-        return MultiHeadAttention._attend_masked(self, queries, keys, values,
-                                                 key_padding_mask, document_ids,
-                                                 mask_mod, score_mod, _forward_masks)
+        parent = super(LlamaAttention, self)  # MultiHeadAttention's
+        return parent._attend_masked(queries, keys, values, key_padding_mask,
+                                     document_ids, mask_mod, score_mod, _forward_masks)
     if self._sinks_tiled(queries.shape[2]):
         return self._attend_sunk(queries, keys, values, key_padding_mask, document_ids,
                                  mask_mod=mask_mod, score_mod=score_mod)

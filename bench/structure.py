@@ -88,6 +88,21 @@ def superseded() -> int | None:
     return int(last[-1].split(':')[1]) if last else None
 
 
+def package_calls(f) -> list:
+    "(module, function) of every call into the package while `f()` runs, under torch.no_grad, in order."
+    import torch
+    calls = []
+
+    def profile(frame, event, arg):
+        if event == 'call' and frame.f_code.co_filename.startswith(str(PACKAGE)):
+            calls.append((Path(frame.f_code.co_filename).stem, frame.f_code.co_name))
+    sys.setprofile(profile)
+    try:
+        with torch.no_grad(): f()
+    finally: sys.setprofile(None)
+    return calls
+
+
 def traced_forward() -> dict:
     "Calls into the package during one forward of a 1-layer Llama with a sliding-window mask_mod."
     import torch
@@ -98,15 +113,7 @@ def traced_forward() -> dict:
     ids = torch.randint(0, 64, (1, 16))
     mask_mod = sliding_window(4)
     with torch.no_grad(): model(ids, mask_mod=mask_mod)  # warm: tables and block masks made once
-    calls = []
-
-    def profile(frame, event, arg):
-        if event == 'call' and frame.f_code.co_filename.startswith(str(PACKAGE)):
-            calls.append((Path(frame.f_code.co_filename).stem, frame.f_code.co_name))
-    sys.setprofile(profile)
-    try:
-        with torch.no_grad(): model(ids, mask_mod=mask_mod)
-    finally: sys.setprofile(None)
+    calls = package_calls(lambda: model(ids, mask_mod=mask_mod))
     modules = [m for m, _ in calls]
     frames = ('<listcomp>', '<setcomp>', '<dictcomp>', '<genexpr>')  # Python 3.11 gives each a frame; 3.12 inlines
     switches = sum(1 for a, b in zip(modules, modules[1:]) if a != b)

@@ -169,22 +169,6 @@ def test_the_traced_forward_keeps_sliding_window_exact():
         assert (yours - windowed(ids)).abs().max() < 1e-5
 
 
-def _package_calls(f) -> list:
-    "The package's functions that `f()` calls, in order, as bench/structure.py counts them: checks and comprehensions out."
-    import sys
-    calls = []
-    def profile(frame, event, arg):
-        code = frame.f_code
-        if event == 'call' and code.co_filename.startswith(str(PACKAGE)) and '<' not in code.co_name and not \
-                code.co_name.lstrip('_').startswith('check'):
-            calls.append(f"{Path(code.co_filename).stem}.{code.co_name}")
-    sys.setprofile(profile)
-    try:
-        with torch.no_grad(): f()
-    finally: sys.setprofile(None)
-    return calls
-
-
 # the calls one forward makes, measured when the budget was set; a change that adds to a path must say why here
 CALL_BUDGET = {'MultiHeadAttention, whole sequence': 13, 'Llama, 1 layer, mask_mod': 32, 'Llama, 1 layer, decode step': 35}
 
@@ -193,24 +177,22 @@ CALL_BUDGET = {'MultiHeadAttention, whole sequence': 13, 'Llama, 1 layer, mask_m
 def test_a_forward_keeps_to_its_call_budget(path):
     """The path of a forward is a budget (issue "Add, never replace"): a plain multi-head forward, the traced
     forward of bench/structure.py, and one decode step of the same model make no more package calls than
-    CALL_BUDGET says."""
+    CALL_BUDGET says, counted as bench/structure.py counts them (checks and comprehensions out)."""
+    from bench import structure
     from selfattn_nbdev.models import Llama
     torch.manual_seed(0)
+    named = lambda f: [f'{module}.{name}' for module, name in structure.package_calls(f)]
     if path.startswith('MultiHeadAttention'):
         m, x = MultiHeadAttention(32, 32, 64, num_heads=4).eval(), torch.randn(2, 16, 32)
-        call = lambda: m(x)
-    else:
+        sequence = named(lambda: m(x))
+    elif 'decode' in path:
         model = Llama(vocab_size=64, context_length=32, d_model=32, num_heads=4, num_layers=1).eval()
         ids, caches = torch.randint(0, 64, (1, 16)), model.new_caches()
-        if 'decode' in path:
-            with torch.no_grad(): model(ids, caches); model(ids[:, :1], caches)
-            call = lambda: model(ids[:, :1], caches)
-        else:
-            mask_mod = sliding_window(4)
-            with torch.no_grad(): model(ids, mask_mod=mask_mod)  # warm: tables made once
-            call = lambda: model(ids, mask_mod=mask_mod)
-    calls = _package_calls(call)
-    assert 0 < len(calls) <= CALL_BUDGET[path], (len(calls), calls)
+        with torch.no_grad(): model(ids, caches); model(ids[:, :1], caches)
+        sequence = named(lambda: model(ids[:, :1], caches))
+    else: sequence = structure.traced_forward()['sequence']
+    kept = structure.without_checks(sequence)['calls_without_checks']
+    assert 0 < kept <= CALL_BUDGET[path], (kept, sequence)
 
 
 def _package_imports(module:str) -> set:

@@ -149,8 +149,7 @@ def _project(self:LlamaAttention, x:Tensor, positions:Tensor|None=None) -> tuple
     if self.query_scale is not None:  # every kernel divides by sqrt(hd): undo it
         queries = queries * (self.query_scale * math.sqrt(self.head_dim))
     cos, sin = self._rope_at(positions, x.shape[1], queries)  # (.., T, rotary_dim)
-    turn = rope_rotate if self.rotary_dim == self.head_dim else _turn_first  # partial
-    return turn(queries, cos, sin), turn(keys, cos, sin), values
+    return _turn_first(queries, cos, sin), _turn_first(keys, cos, sin), values
 
 def _turn_first(t:Tensor, cos:Tensor, sin:Tensor) -> Tensor: # (..., T, head_dim)
     "RoPE on the first cos.shape[-1] numbers of each head, the rest as they are."

@@ -28,7 +28,9 @@ llama.cpp's is. Recorded:
   `generate(compile=True)` (on a CPU, Inductor's calls between kernels in C++: `cpp_wrapper`) and the same
   compiled with those calls in Python (`package compiled (Python wrapper)`: what `compile=True` did before),
   transformers' `generate`
-  (dynamic and static cache) and llama.cpp (skipped without `--llamacpp-python`, a Python with llama-cpp-python
+  (dynamic and static cache), `bare step (no package)` (`headroom`'s row-major step, in the rounds: what an eager
+  step reaches with nothing but the arithmetic; its tokens are compared apart, `tokens_equal_bare_step`, since its
+  sums run in another order) and llama.cpp (skipped without `--llamacpp-python`, a Python with llama-cpp-python
   and gguf: see bench/llamacpp_child.py); medians of the rounds;
 - `costs`: at 1 thread, contexts of 32, 512 and the longest the shape takes less the new tokens (1,984 for the
   Llama shape, 960 for GPT-2's 1,024) at batch 1, and batches of 4 and 16 at 32: the package's `generate`, with the
@@ -150,6 +152,7 @@ def prefill_ms(model, ids, kernel=None) -> float:
         return (time.perf_counter() - start) * 1e3
 
 
+BARE = 'bare step (no package)'  # bare_step below: the arithmetic alone, eagerly (the ceiling of an eager step)
 PYTHON_WRAPPER = dict(fullgraph=True, dynamic=False)  # compile=True's options on a CPU, less its C++ wrapper
 
 
@@ -365,7 +368,7 @@ def main():
         print(name, 'compile', compiles, flush=True)
     systems = ['package generate', 'package generate (BLAS)', 'package static', 'package compiled',
                'package compiled (Python wrapper)',
-               'transformers dynamic', 'transformers static']
+               'transformers dynamic', 'transformers static', BARE]
     if args.llamacpp_python: systems.append('llama.cpp')
     rates, equal = collections.defaultdict(list), collections.defaultdict(list)
     for r in range(args.rounds):
@@ -380,6 +383,8 @@ def main():
                            'package compiled': ours_rate(ours, ids, NEW, compile=True),
                            'package compiled (Python wrapper)': ours_rate(ours, ids, NEW, compile=PYTHON_WRAPPER),
                            'transformers dynamic': hf_rate(hf, ids, NEW), 'transformers static': hf_rate(hf, ids, NEW, True)}
+                    rate, tokens = bare_rate(ours, False, ids)
+                    got[BARE] = rate, torch.tensor([tokens])
                 first = got['package generate'][1].tolist()
                 for k, (_, t) in got.items(): equal[name, k].append(t.tolist() == first)
                 for k, (rate, _) in got.items(): rates[name, threads, k].append(rate)
@@ -397,7 +402,8 @@ def main():
             s['peers'][f'{threads}'] = dict(limit_tok_s=limit, tok_s=row,
                                             fraction_of_limit={k: v / limit for k, v in row.items()},
                                             runs={k: rates[name, threads, k] for k in systems})
-        s['tokens_equal_package_generate'] = {k: all(equal[name, k]) for k in systems if k != 'llama.cpp'}
+        s['tokens_equal_package_generate'] = {k: all(equal[name, k]) for k in systems if k not in ('llama.cpp', BARE)}
+        s['tokens_equal_bare_step'] = all(equal[name, BARE])  # another order of sums: a tie may differ
     # what a token costs along the context and the batch, the package at 1 thread
     torch.set_num_threads(1)
     for name, (hf, ours) in shapes.items():

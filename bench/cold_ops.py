@@ -11,6 +11,10 @@ them gone. This measures that directly, at the Llama shape of bench/cpu_decode.p
 - `after <size>`: the operator called once right after `F.linear` has read one row through a weight of that size
   (1 MiB, smaller than this core's L2; 4 MiB and 22 MiB, the attention output's and the gate-and-up product's weights of the
   Llama shape; 128 MiB);
+Operators: `x * w`, `x + x` and `silu` over one token's 1,024 numbers; `rms_norm` and `layer_norm` of it; `split
+heads` (a view and a transpose); `RoPE`, rotate-half, 6 operators; `cache write`, one token's keys by `index_copy_`;
+`attention`, one query's 16 heads over 64 cached keys of 4 key/value heads (SDPA, GQA).
+
 - `again`: the same call once more, right after its call after 128 MiB: the cost is paid by the first call of an
   operator after a read, not by every call.
 
@@ -61,15 +65,15 @@ def operators() -> dict:
         return q * cos + torch.cat([-q[..., half:], q[..., :half]], -1) * sin
 
     return {
-        'x * w (mul)': lambda: x * w,
-        'x + x (add)': lambda: x + x,
+        'x * w': lambda: x * w,
+        'x + x': lambda: x + x,
         'silu': lambda: F.silu(x),
         'rms_norm': lambda: F.rms_norm(x, (D,), w, 1e-6),
         'layer_norm': lambda: F.layer_norm(x, (D,), w, w, 1e-5),
-        'view + transpose (split heads)': lambda: x.view(1, 1, HEADS, HD).transpose(1, 2),
-        'RoPE (6 operators)': rope,
-        'cache write (index_copy_)': lambda: keys.index_copy_(2, column, new),
-        'attention over 64 keys (SDPA, GQA)': lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+        'split heads': lambda: x.view(1, 1, HEADS, HD).transpose(1, 2),
+        'RoPE': rope,
+        'cache write': lambda: keys.index_copy_(2, column, new),
+        'attention': lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
     }
 
 
@@ -110,9 +114,9 @@ def main():
                shape=dict(d_model=D, heads=HEADS, kv_heads=KV_HEADS, head_dim=HD, cached_tokens=CACHED),
                microseconds=micro)
     columns = list(next(iter(micro.values())))
-    print(f"{'operator':38}" + ''.join(f'{c:>14}' for c in columns))
+    print(f"{'operator':14}" + ''.join(f'{c:>14}' for c in columns))
     for name, row in micro.items():
-        print(f'{name:38}' + ''.join(f'{row[c]:14.1f}' for c in columns))
+        print(f'{name:14}' + ''.join(f'{row[c]:14.1f}' for c in columns))
     if args.out: Path(args.out).write_text(json.dumps(out, indent=1) + '\n')
 
 

@@ -9,32 +9,29 @@ them gone. This measures that directly, at the Llama shape of bench/cpu_decode.p
 
 - `hot`: the operator called again right after itself (its code and data in the caches);
 - `after <size>`: the operator called once right after `F.linear` has read one row through a weight of that size
-  (1 MiB, smaller than this core's L2; 4 MiB and 22 MiB, the attention output's and the gate-and-up product's weights of the
-  Llama shape; 128 MiB);
+  (1 MiB, smaller than this core's L2; 4 MiB and 22 MiB, the attention output's and the gate-and-up product's
+  weights of the Llama shape; 128 MiB);
+- `again`: the same call once more, right after its call after 128 MiB: the cost is paid by the first call of an
+  operator after a read, not by every call.
+
 Operators: `x * w`, `x + x` and `silu` over one token's 1,024 numbers; `rms_norm` and `layer_norm` of it; `split
 heads` (a view and a transpose); `RoPE`, rotate-half, 6 operators; `cache write`, one token's keys by `index_copy_`;
 `attention`, one query's 16 heads over 64 cached keys of 4 key/value heads (SDPA, GQA).
-
-- `again`: the same call once more, right after its call after 128 MiB: the cost is paid by the first call of an
-  operator after a read, not by every call.
 
 Medians of `--rounds` rounds, microseconds. `caches`: this machine's cache sizes (Linux's sysfs). Nothing asserted.
 
     python bench/cold_ops.py --out bench/cold_ops.json        # about a minute
 """
-import argparse, datetime, json, platform, statistics, time
+import argparse, datetime, json, os, statistics, sys, time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.benchmark import cpu_model  # noqa: E402
+
 D, HEADS, KV_HEADS, HD, CACHED = 1024, 16, 4, 64, 64
-
-
-def cpu_model() -> str:
-    for line in Path('/proc/cpuinfo').read_text().splitlines() if Path('/proc/cpuinfo').exists() else []:
-        if line.startswith('model name'): return line.split(':', 1)[1].strip()
-    return platform.processor() or 'unknown'
 
 
 def caches() -> dict:
@@ -109,7 +106,7 @@ def main():
     args = parser.parse_args()
     micro = measure(args.rounds)
     out = dict(command='python bench/cold_ops.py --out bench/cold_ops.json', date=datetime.date.today().isoformat(),
-               torch=torch.__version__, machine=dict(cpu_model=cpu_model(), cpu_count=__import__('os').cpu_count()),
+               torch=torch.__version__, machine=dict(cpu_model=cpu_model(), cpu_count=os.cpu_count()),
                threads=1, dtype='float32', rounds=args.rounds, caches=caches(),
                shape=dict(d_model=D, heads=HEADS, kv_heads=KV_HEADS, head_dim=HD, cached_tokens=CACHED),
                microseconds=micro)

@@ -44,6 +44,12 @@ def caches() -> dict:
     return found
 
 
+def rope(q, cos, sin):
+    "Rotate-half RoPE, as transformers and the package's rope_rotate write it: q (..., T, d), cos and sin (T, d)."
+    half = q.shape[-1] // 2
+    return q * cos + torch.cat([-q[..., half:], q[..., :half]], -1) * sin
+
+
 def operators() -> dict:
     "A decode step's small operators at the Llama shape, each a function of nothing (inputs made here)."
     g = torch.Generator().manual_seed(0)
@@ -57,10 +63,6 @@ def operators() -> dict:
     column = torch.tensor([CACHED])
     new = torch.randn(1, KV_HEADS, 1, HD, generator=g)
 
-    def rope():  # rotate-half RoPE, as transformers and the package write it
-        half = q.shape[-1] // 2
-        return q * cos + torch.cat([-q[..., half:], q[..., :half]], -1) * sin
-
     return {
         'x * w': lambda: x * w,
         'x + x': lambda: x + x,
@@ -68,14 +70,21 @@ def operators() -> dict:
         'rms_norm': lambda: F.rms_norm(x, (D,), w, 1e-6),
         'layer_norm': lambda: F.layer_norm(x, (D,), w, w, 1e-5),
         'split heads': lambda: x.view(1, 1, HEADS, HD).transpose(1, 2),
-        'RoPE': rope,
+        'RoPE': lambda: rope(q, cos, sin),
         'cache write': lambda: keys.index_copy_(2, column, new),
         'attention': lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
     }
 
 
 def measure(rounds: int) -> dict:
+    "Medians of `rounds` rounds, µs, for each operator and column, on one thread (the caller's count comes back)."
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    try: return _measure(rounds)
+    finally: torch.set_num_threads(threads)
+
+
+def _measure(rounds: int) -> dict:
     g = torch.Generator().manual_seed(1)
     sizes = {'1 MiB': (256, D), '4 MiB': (D, D), '22 MiB': (5632, D), '128 MiB': (32768, D)}
     weights = {name: torch.randn(*shape, generator=g) for name, shape in sizes.items()}

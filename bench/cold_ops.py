@@ -15,8 +15,9 @@ them gone. This measures that directly, at the Llama shape of bench/cpu_decode.p
   operator after a read, not by every call.
 
 Operators: `x * w`, `x + x` and `silu` over one token's 1,024 numbers; `rms_norm` and `layer_norm` of it; `split
-heads` (a view and a transpose); `RoPE`, rotate-half, 6 operators; `cache write`, one token's keys by `index_copy_`;
-`attention`, one query's 16 heads over 64 cached keys of 4 key/value heads (SDPA, GQA).
+heads` (a view and a transpose); `RoPE`, the package's `rope_rotate` (rotate-half, 6 operators); `cache write`, one
+token's keys by `index_copy_`; `attention`, one query's 16 heads over 64 cached keys of 4 key/value heads (SDPA,
+GQA).
 
 Medians of `--rounds` rounds, microseconds. `caches`: this machine's cache sizes (Linux's sysfs). Nothing asserted.
 
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.benchmark import cpu_model  # noqa: E402
+from selfattn_nbdev.gqa_window_rope import rope_rotate  # noqa: E402
 
 D, HEADS, KV_HEADS, HD, CACHED = 1024, 16, 4, 64, 64
 
@@ -42,12 +44,6 @@ def caches() -> dict:
         name = f"L{(index/'level').read_text().strip()}" + ({'Data': 'd', 'Instruction': 'i'}.get(kind, ''))
         found[name] = (index/'size').read_text().strip()
     return found
-
-
-def rope(q, cos, sin):
-    "Rotate-half RoPE, as transformers and the package's rope_rotate write it: q (..., T, d), cos and sin (T, d)."
-    half = q.shape[-1] // 2
-    return q * cos + torch.cat([-q[..., half:], q[..., :half]], -1) * sin
 
 
 def operators() -> dict:
@@ -70,7 +66,7 @@ def operators() -> dict:
         'rms_norm': lambda: F.rms_norm(x, (D,), w, 1e-6),
         'layer_norm': lambda: F.layer_norm(x, (D,), w, w, 1e-5),
         'split heads': lambda: x.view(1, 1, HEADS, HD).transpose(1, 2),
-        'RoPE': lambda: rope(q, cos, sin),
+        'RoPE': lambda: rope_rotate(q, cos, sin),  # the package's, as a decode step calls it
         'cache write': lambda: keys.index_copy_(2, column, new),
         'attention': lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
     }

@@ -9,7 +9,7 @@ __all__ = ['DECODE_MIN_BOUND', 'GEMV_ROWS', 'GEMM_PROBE_ROWS', 'KERNELS', 'PROBE
            'generate_stream', 'generate']
 
 # %% ../nbs/07_batches.ipynb #312f198d
-import collections, inspect, math, threading, time, warnings
+import collections, inspect, logging, math, threading, time, warnings
 from contextlib import contextmanager
 
 import torch
@@ -420,6 +420,7 @@ def _loop_product(x:Tensor, W:Tensor) -> Tensor: # (1, d_in), (k, d_out, d_in)
     return (x.unsqueeze(-2) * W).sum(-1)  # (k, d_out): one loop
 
 _LOOPED = {}  # (threads, k, d_out, d_in) -> 'loop' | 'blas'
+_log = logging.getLogger("selfattn_nbdev.decoding")  # seconds a compile took, at INFO
 _LOOP_GRAPHS = 64  # the shapes the probe may compile in a process
 
 def compiled_gemv_kernel(
@@ -435,7 +436,7 @@ def compiled_gemv_kernel(
     group = [w.detach() for w in weights if w.shape == shape]
     key = (torch.get_num_threads(), len(group), *shape)
     if key in _LOOPED: return _LOOPED[key]
-    W = torch.stack(group)  # (k, d_out, d_in): a copy, for the probe only
+    W, start = torch.stack(group), time.perf_counter()  # (k, d_out, d_in): a copy
     x = torch.randn(1, W.shape[-1], generator=torch.Generator().manual_seed(0))
     config, limit = torch._dynamo.config, _limit_name()
     try:  # no C++ compiler, say: the BLAS, and the step's own compile will say why
@@ -453,6 +454,9 @@ def compiled_gemv_kernel(
                       f"row by F.linear's BLAS")
         return 'blas'
     _LOOPED[key] = 'loop' if faster else 'blas'
+    _log.info(
+        f"compiled_gemv_kernel: {_LOOPED[key]} for one row at {key[0]} thread(s), "
+        f"measured in {time.perf_counter() - start:.1f} s (the loop's compile too)")
     return _LOOPED[key]
 
 @contextmanager
@@ -612,6 +616,16 @@ def _with_room(fn, *args): # Dynamo counts the graphs of every model of the clas
             if room >= most: raise  # then the accumulated limit is the one hit
             room = min(2 * room, most)
 
+def _graphs_made() -> int: # the graphs Dynamo has compiled in this process
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+def _report_compile(bound:int|None, threads:int, seconds:float) -> None:
+    "Say what the first step of a bound took: its compile, and the step itself."
+    shapes = "its shapes" if bound is None else f"{bound} cached positions"
+    _log.info(f"generate(compile=...): the decode step reading {shapes} compiled "
+              f"and ran once in {seconds:.1f} s at {threads} thread(s); later steps "
+              f"of those shapes reuse it while the process lives")
+
 def _decode_step(
     model:nn.Module, # the model to call for one new token per row
     compile, # False, True, or a dict of torch.compile options
@@ -661,7 +675,11 @@ def _decode_step(
                     retries += 1  # but a graph every step is a bug: a few at most
                     if retries > _RETRIES: raise
             bounds.add(bound)
-            return _with_room(compiled, token_ids, caches)
+            made, start = _graphs_made(), time.perf_counter()  # Dynamo's cache may
+            logits = _with_room(compiled, token_ids, caches)   # hold it: said if not
+            if _graphs_made() > made:
+                _report_compile(bound, threads, time.perf_counter() - start)
+            return logits
         finally:
             for g in groups: g[0].__dict__['_stack_checked'] = False
     return step

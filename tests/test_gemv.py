@@ -245,8 +245,12 @@ def test_a_compiled_step_takes_row_dot_for_one_row_only_where_measured_faster(co
         with faster_products(model, compiled='yes'): pass
 
 
-def test_compiled_gemv_kernel_measures_once_and_keeps_a_clear_win_only(monkeypatch):
-    "The compiled loop against the BLAS, seven passes each on the largest group of one shape; kept per thread count."
+def test_compiled_gemv_kernel_measures_once_and_keeps_a_clear_win_only(monkeypatch, caplog):
+    """The compiled loop against the BLAS, seven passes each on the largest group of one shape; kept per thread count.
+    Each measurement (a compile's pause) is said at INFO with its choice and seconds; a kept answer says nothing."""
+    import logging
+    caplog.set_level(logging.INFO, logger='selfattn_nbdev.decoding')
+    said = lambda: [r.getMessage() for r in caplog.records if r.name == 'selfattn_nbdev.decoding']
     model = _llama()
     monkeypatch.setattr(decoding, '_LOOPED', {})
     monkeypatch.setattr(torch, 'compile', lambda fn, **options: fn)   # eager row_dot: the rule, not Inductor
@@ -258,11 +262,14 @@ def test_compiled_gemv_kernel_measures_once_and_keeps_a_clear_win_only(monkeypat
     ratio = 0.8
     assert compiled_gemv_kernel(model) == 'loop' and len(timed) == 14
     assert compiled_gemv_kernel(model) == 'loop' and len(timed) == 14  # kept: not measured again
+    assert len(said()) == 1 and said()[0].startswith(
+        f'compiled_gemv_kernel: loop for one row at {torch.get_num_threads()} thread(s), measured in '), said()
     # the largest group of one shape: the MLP's gate and up weights (128, 32), two a layer: four, timed one by one
     # by the BLAS, and all at once by the loop
     assert sorted(set(timed)) == [1, 4] and [*decoding._LOOPED][0][1:] == (4, 128, 32)
     decoding._LOOPED.clear(); ratio = 0.97                          # within 5 %: the BLAS stays
     assert compiled_gemv_kernel(model) == 'blas'
+    assert len(said()) == 2 and said()[1].startswith('compiled_gemv_kernel: blas for one row'), said()
 
 
 def test_a_row_dot_that_does_not_compile_leaves_the_blas_and_says_so(monkeypatch):

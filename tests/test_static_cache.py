@@ -86,6 +86,28 @@ def test_compile_once_for_a_whole_generation():
     assert all(torch.equal(a, b) for a, b in zip(out, generate(model, prompts, 50)))
 
 
+def test_a_compile_reports_its_seconds_once(caplog):
+    """The first step of a bound compiles, and generate says at INFO how long it took (logger selfattn_nbdev.decoding);
+    a second generate of the same model and bound reuses Dynamo's graph and says nothing; a longer generation (caches of
+    another size) compiles a graph for each bound it reaches and says each."""
+    import logging, re
+    model, prompt = _model({}, context=600), torch.randint(0, 37, (1, 5))
+    options = dict(backend='eager', fullgraph=True)
+    torch._dynamo.reset()
+    said = lambda: [r.getMessage() for r in caplog.records if r.name == 'selfattn_nbdev.decoding']
+    with caplog.at_level(logging.INFO, logger='selfattn_nbdev.decoding'):
+        generate(model, prompt, 3, compile=options)          # 8 positions: decode_bound's 256
+        first = said()
+        generate(model, prompt, 3, compile=options)          # the same bound: Dynamo's graph
+        again = said()
+        generate(model, prompt, 300, compile=options)        # caches of 512: bounds 256 and 512
+        longer = said()
+    assert len(first) == 1 and 'reading 256 cached positions' in first[0], first
+    assert 0 < float(re.search(r'in ([0-9.]+) s at', first[0]).group(1)) < 60
+    assert again == first
+    assert len(longer) == 3 and 'reading 512 cached positions' in longer[2], longer  # (256: new storage)
+
+
 def test_a_new_thread_count_compiles_again_and_says_so():
     "Dynamo guards on torch's thread count: the step compiles again at a new count, once, with a warning naming both."
     import warnings

@@ -15,7 +15,9 @@ llama.cpp's is. Recorded:
 - `compile`: per shape and thread count, the first `generate(compile=True)` (its decode step compiled) against the
   next call, which reuses the graphs: the compile's seconds, paid once a process for each thread count (Dynamo
   guards on torch's thread count: the first call at another count compiles again), with an empty kernel cache
-  (TORCHINDUCTOR_CACHE_DIR, a new folder unless set), as on a first run;
+  (TORCHINDUCTOR_CACHE_DIR, a new folder unless set), as on a first run; and `later_process`, the same first call
+  in a new process once that cache holds the kernels, as on a user's next run (its `compile_s` holds
+  `compiled_gemv_kernel`'s probe too, which a new process measures again);
 - `gemv_kernel`: per shape and thread count, the kernel the package's `gemv_kernel` chose for one token's products
   (the BLAS behind F.linear, or oneDNN), `gemm_kernel` for a prompt's and `compiled_gemv_kernel` for a compiled
   step's one row (Inductor's loop, row_dot, or the BLAS), and the seconds each measurement took (the last includes
@@ -166,6 +168,26 @@ def compile_seconds(model, ids, new) -> dict:
     return dict(first_call_s=times[0], next_call_s=times[1], compile_s=times[0] - times[1])
 
 
+def later_process_compile(name: str, threads: int) -> dict:
+    """The first `generate(compile=True)` of shape `name` again, in a new process that finds this run's Inductor cache
+    (TORCHINDUCTOR_CACHE_DIR, which the compiles before filled): what a user's next run of the same shape pays. In a
+    new process the first call also measures `compiled_gemv_kernel` (its loop's kernel from the cache too), so its
+    `compile_s` holds that probe as well."""
+    out = subprocess.run([sys.executable, str(Path(__file__).resolve()), '--later-compile', name, str(threads)],
+                         capture_output=True, text=True, check=True, env=os.environ)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def later_compile_child(name: str, threads: int) -> None:
+    "`later_process_compile`'s process: build the shape, time its first and next `generate(compile=True)`, print them."
+    import transformers
+    transformers.logging.set_verbosity_error(); transformers.utils.logging.disable_progress_bar()
+    model = ours_of(hf_model(SHAPES[name]))
+    torch.set_num_threads(threads)
+    ids = torch.randint(3, SHAPES[name]['vocab_size'], (1, PROMPT))
+    with torch.no_grad(): print(json.dumps(compile_seconds(model, ids, NEW)))
+
+
 def hf_rate(hf, ids, new, static=False) -> tuple:
     options = dict(do_sample=False, min_new_tokens=new, max_new_tokens=new, pad_token_id=0)
     if static: options['cache_implementation'] = 'static'
@@ -300,7 +322,9 @@ def main():
     parser.add_argument('--rounds', type=int, default=3)
     parser.add_argument('--out', default=str(ROOT/'bench'/'cpu_decode.json'))
     parser.add_argument('--no-large', action='store_true', help='leave out the 1 B shape')
+    parser.add_argument('--later-compile', nargs=2, metavar=('SHAPE', 'THREADS'), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.later_compile: return later_compile_child(args.later_compile[0], int(args.later_compile[1]))
     # this run's files (GGUFs, Inductor's cache): removed when the run ends (the object's finalizer)
     scratch = tempfile.TemporaryDirectory(prefix='cpu_decode_')
     # a fresh cache for torch.compile's kernels (read when it compiles), so `compile` times a first run's compile
@@ -364,6 +388,7 @@ def main():
             with torch.no_grad():
                 compiles[f'{threads}'] = compile_seconds(ours, ids, NEW)
                 generate(ours, ids, NEW, stop_ids=[], compile=PYTHON_WRAPPER)  # its graphs too, before the rounds
+            compiles[f'{threads}']['later_process'] = later_process_compile(name, threads)  # the cache now filled
         result['shapes'][name]['compile'] = compiles
         print(name, 'compile', compiles, flush=True)
     systems = ['package generate', 'package generate (BLAS)', 'package static', 'package compiled',

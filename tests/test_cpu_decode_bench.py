@@ -66,3 +66,22 @@ def test_the_python_wrapper_row_is_compile_true_less_its_cpp_wrapper(monkeypatch
     monkeypatch.setattr(torch, 'compile', lambda model, **options: seen.update(options) or model)
     decoding._decode_step(tiny('gpt2'), True)
     assert seen == {**cpu_decode.PYTHON_WRAPPER, 'options': {'cpp_wrapper': True}}
+
+
+def test_a_later_process_times_the_same_first_call_and_the_run_hands_it_on(monkeypatch):
+    """`later_process_compile` runs this file again as `--later-compile SHAPE THREADS` in the run's environment (its
+    Inductor cache) and reads the child's last line; that flag sends `main` to the child alone."""
+    import json, subprocess, sys, types
+    seen = {}
+    def run(cmd, **kw):
+        seen.update(cmd=cmd, env=kw['env'])
+        return types.SimpleNamespace(stdout='a line of the child\n' + json.dumps(dict(compile_s=4.0)) + '\n')
+    monkeypatch.setattr(subprocess, 'run', run)
+    assert cpu_decode.later_process_compile('llama', 2) == dict(compile_s=4.0)
+    assert seen['cmd'][0] == sys.executable and seen['cmd'][-3:] == ['--later-compile', 'llama', '2']
+    assert seen['cmd'][1].endswith('cpu_decode.py') and seen['env'] is cpu_decode.os.environ
+    asked = []
+    monkeypatch.setattr(cpu_decode, 'later_compile_child', lambda name, threads: asked.append((name, threads)))
+    monkeypatch.setattr(sys, 'argv', ['cpu_decode.py', '--later-compile', 'gpt2', '1'])
+    cpu_decode.main()
+    assert asked == [('gpt2', 1)]

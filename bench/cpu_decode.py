@@ -37,7 +37,7 @@ llama.cpp's is. Recorded:
 - `costs`: at 1 thread, contexts of 32, 512 and the longest the shape takes less the new tokens (1,984 for the
   Llama shape, 960 for GPT-2's 1,024) at batch 1, and batches of 4 and 16 at 32: the package's `generate`, with the
   bytes a step reads over its time, and beside it transformers (dynamic and static cache) and llama.cpp (batch 1:
-  llama-cpp-python decodes one sequence);
+  llama-cpp-python decodes one sequence); medians of the rounds, the systems in turns within each (`runs`);
 - `profile`: one decode step of each shape at 1 thread under torch's profiler, its time by kind of work, and the
   time outside torch's operators (Python and dispatch);
 - `headroom`: a bare decode step written against the same weights (no checks, no masks, fused projections: what
@@ -436,17 +436,23 @@ def main():
         costs = {}
         for context, batch in [(32, 1), (512, 1), (min(2048, longest) - NEW, 1), (32, 4), (32, 16)]:
             ids = torch.randint(3, SHAPES[name]['vocab_size'], (batch, context))
-            with torch.no_grad():
-                rate, _ = ours_rate(ours, ids, NEW)
-                others = {'transformers dynamic': hf_rate(hf, ids, NEW)[0],
-                          'transformers static': hf_rate(hf, ids, NEW, True)[0]}
-            others['llama.cpp'] = (llamacpp_rate(args.llamacpp_python, ggufs[name], 1, context)
-                                   if args.llamacpp_python and batch == 1 else None)  # one sequence
+            runs = collections.defaultdict(list)  # the systems in turns, round by round: a moment of the
+            for r in range(args.rounds):          # machine is shared, and the medians are compared
+                with torch.no_grad():
+                    runs['package'].append(ours_rate(ours, ids, NEW)[0])
+                    runs['transformers dynamic'].append(hf_rate(hf, ids, NEW)[0])
+                    runs['transformers static'].append(hf_rate(hf, ids, NEW, True)[0])
+                if args.llamacpp_python and batch == 1:  # llama-cpp-python decodes one sequence
+                    runs['llama.cpp'].append(llamacpp_rate(args.llamacpp_python, ggufs[name], 1, context))
+            rate = statistics.median(runs['package'])
+            others = {k: statistics.median(runs[k]) if runs.get(k) else None
+                      for k in ('transformers dynamic', 'transformers static', 'llama.cpp')}
             kv = 2 * len(ours.blocks) * ours.blocks[0].attn.num_kv_heads * ours.blocks[0].attn.head_dim * 4
             read = result['shapes'][name]['bytes_a_token'] + batch * (context + NEW // 2) * kv   # a step's bytes
             step_s = batch / rate
             costs[f'context {context}, batch {batch}'] = dict(tok_s=rate, bytes_a_step=read,
-                                                              read_gb_s=read / step_s / 1e9, others=others)
+                                                              read_gb_s=read / step_s / 1e9, others=others,
+                                                              runs=dict(runs))
             print(name, context, batch, f'{rate:.1f} tok/s', others, flush=True)
         result['shapes'][name]['costs'] = costs
         result['shapes'][name]['profile'] = profile_step(ours)

@@ -168,6 +168,13 @@ def compile_seconds(model, ids, new) -> dict:
     return dict(first_call_s=times[0], next_call_s=times[1], compile_s=times[0] - times[1])
 
 
+def quiet_transformers():
+    "transformers, its warnings and progress bars off (this file prints what it measures); returned."
+    import transformers
+    transformers.logging.set_verbosity_error(); transformers.utils.logging.disable_progress_bar()
+    return transformers
+
+
 def later_process_compile(name: str, threads: int) -> dict:
     """The first `generate(compile=True)` of shape `name` again, in a new process that finds this run's Inductor cache
     (TORCHINDUCTOR_CACHE_DIR, which the compiles before filled): what a user's next run of the same shape pays. In a
@@ -180,8 +187,7 @@ def later_process_compile(name: str, threads: int) -> dict:
 
 def later_compile_child(name: str, threads: int) -> None:
     "`later_process_compile`'s process: build the shape, time its first and next `generate(compile=True)`, print them."
-    import transformers
-    transformers.logging.set_verbosity_error(); transformers.utils.logging.disable_progress_bar()
+    quiet_transformers()
     model = ours_of(hf_model(SHAPES[name]))
     torch.set_num_threads(threads)
     ids = torch.randint(3, SHAPES[name]['vocab_size'], (1, PROMPT))
@@ -329,8 +335,7 @@ def main():
     scratch = tempfile.TemporaryDirectory(prefix='cpu_decode_')
     # a fresh cache for torch.compile's kernels (read when it compiles), so `compile` times a first run's compile
     os.environ.setdefault('TORCHINDUCTOR_CACHE_DIR', os.path.join(scratch.name, 'inductor'))
-    import transformers
-    transformers.logging.set_verbosity_error(); transformers.utils.logging.disable_progress_bar()
+    transformers = quiet_transformers()
     load = [os.getloadavg()[0]]
     result = dict(command='python bench/cpu_decode.py' + (' ' + shlex.join(sys.argv[1:]) if sys.argv[1:] else ''),
                   date=datetime.date.today().isoformat(), torch=torch.__version__,

@@ -23,8 +23,6 @@ from .generation import (KVCache, TinyGPT, _check_generation, _decode,
                                        _check_sampling, _draw, _signature_with,
                                        _stop_ids, truncated_logits)
 
-_log = logging.getLogger("selfattn_nbdev.decoding")  # what a compile cost, at INFO
-
 # %% ../nbs/07_batches.ipynb #f1a894cd
 DECODE_MIN_BOUND = 256  # the fewest columns a compiled decode step attends to
 
@@ -423,6 +421,7 @@ def _loop_product(x:Tensor, W:Tensor) -> Tensor: # (1, d_in), (k, d_out, d_in)
 
 _LOOPED = {}  # (threads, k, d_out, d_in) -> 'loop' | 'blas'
 _LOOP_GRAPHS = 64  # the shapes the probe may compile in a process
+_log = logging.getLogger("selfattn_nbdev.decoding")  # what a compile cost, at INFO
 
 def compiled_gemv_kernel(
     model:nn.Module, # its plain float32 CPU linears: what a compiled step reads

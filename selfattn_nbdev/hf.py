@@ -17,7 +17,7 @@ from torch import Tensor
 from .masks import (and_masks, causal, dense_mask, key_padding,
                                   sliding_window)
 from .kernels import (_by_run, _cpu_runs, _in_runs, _runs,
-                                    _share_across_blocks, flex_attend, pick_kernel,
+                                    _share_across_blocks, choose_kernel, flex_attend,
                                     varlen_attend)
 from .gqa_window_rope import repeat_kv
 from .llama_attention import soft_cap, soft_cap_mod, softmax_with_sink
@@ -186,13 +186,14 @@ def attend(
     scored, gqa = softcap is not None or sinks is not None, heads != keys.shape[1]
     explicit = functools.partial(_explicit, softcap=softcap, sinks=sinks,
                                  dropout=dropout)
+    found = getattr(mask, "hf", None)  # what hf_mask found; a slice or copy has none
     if mask is None and (with_weights or scored or 1 < T != S):   # causal, written
         mask = dense_mask(causal, T, S, device=queries.device)    # (1, 1, T, S)
+        found = HFMask(causal, None, None, True, T, S, b, {})    # known: as hf_mask's
     if with_weights: return explicit(queries, keys, values, mask)  # the weights
     if mask is None:                   # causal, or one query that sees every key
         return F.scaled_dot_product_attention(queries, keys, values, dropout_p=dropout,
                                               is_causal=T > 1, enable_gqa=gqa), None
-    found = getattr(mask, "hf", None)  # what hf_mask found; a slice or copy has none
     if found is None:                  # the tensor alone: as transformers' sdpa
         if scored: return explicit(queries, keys, values, mask)[0], None
         return _sdpa(queries, keys, values, mask, dropout, gqa), None
@@ -202,13 +203,9 @@ def attend(
                                               is_causal=True, enable_gqa=gqa), None
     if _gpu_takes_the_tensor(queries, found, scored):  # transformers made it already
         return _sdpa(queries, keys, values, mask, dropout, gqa, found), None
-    in_runs = (found.known and found.padding is not None and T == S and not
-               (queries.is_cuda and (scored or found.window)))  # as the masks page
-    pick = lambda runs_only: pick_kernel(
-        queries.device.type, True, T, S, queries.requires_grad, dropout, runs_only,
-        half=queries.dtype in (torch.float16, torch.bfloat16))
-    choice = pick(in_runs and found.window is None and not scored)
-    if in_runs and (choice == "dense" or sinks is not None): choice = pick(True)
+    in_runs = found.known and found.padding is not None and T == S  # causal or a
+    choice = choose_kernel(queries, keys, in_runs, found.window, scored,  # window,
+                           dropout, flex=sinks is None)  # padded: the kernels page's
     runs = _runs_of(found, queries) if choice == "varlen" else None
     if runs is not None and not scored:        # each row's real tokens, one call each
         return varlen_attend(queries, keys, values, found.padding, True, None, runs,
@@ -218,7 +215,7 @@ def attend(
             found.mask_mod, q.shape[2], device=q.device))[0]
         return _in_runs(queries, keys, values, runs, lambda q, k, v: _by_run(
             q, k, v, runs.cu_seqlens.tolist(), band)), None
-    if choice.startswith("flex") and sinks is None:     # tiles skipped, the cap too
+    if choice.startswith("flex"):                 # tiles skipped, the cap too
         padded = (found.padding,) if found.padding is not None else ()
         mask_mod = and_masks(found.mask_mod, *map(key_padding, padded))
         return flex_attend(queries, keys, values, mask_mod,

@@ -5,8 +5,8 @@
 # %% auto #0
 __all__ = ['FLEX_MODES', 'FLEX_MIN_TOKENS', 'FLEX_SHORTEST', 'FLEX_BLOCK_MASKS', 'RUNS_MIN_TOKENS', 'RUNS_MAX', 'RUN_WORTH',
            'BLOCK_MIN_PAIRS', 'KERNELS', 'FLEX_RECOMPILE_LIMIT', 'UNFUSED_KERNELS', 'flex_mode', 'attention_kernel',
-           'pick_kernel', 'flex_attend', 'VarlenRuns', 'varlen_runs', 'varlen_attend', 'shared_masks', 'Unpadded',
-           'unpad']
+           'pick_kernel', 'choose_kernel', 'flex_attend', 'VarlenRuns', 'varlen_runs', 'varlen_attend', 'shared_masks',
+           'Unpadded', 'unpad']
 
 # %% ../nbs/11_kernels.ipynb #dd3706ef
 import collections
@@ -81,13 +81,14 @@ def pick_kernel(
     runs_only:bool=False, # the mask only cuts rows into runs: padding, documents
     half:bool=False, # float16 or bfloat16 (what flash-attention kernels take)
     scored:bool=False, # a score function changes the scores (score_mod, a soft cap)
+    mode:str|None=None, # one of FLEX_MODES; None: this thread's flex_mode
 ) -> str: # one of KERNELS
     "The fastest correct kernel for a mask and a score function: see the table above."
     if not masked and not scored: return 'sdpa'
     runs_only = runs_only and not scored  # a run's kernel takes no score function
     if (device_type == 'cuda' and runs_only and half and not dropout
             and importlib.util.find_spec('torch.nn.attention.varlen')): return 'varlen'
-    mode = _switches.flex_mode  # this thread's
+    mode = _switches.flex_mode if mode is None else mode  # this thread's, or given
     flex_asked = mode in ('compiled', 'eager') and not needs_grad  # no CPU backward
     if (device_type == 'cpu' and runs_only and not dropout and num_tokens == num_keys
             and num_tokens >= RUNS_MIN_TOKENS and not flex_asked):
@@ -101,6 +102,32 @@ def pick_kernel(
     if not scored: return 'dense'  # SDPA with the dense mask
     large = num_tokens * num_keys >= BLOCK_MIN_PAIRS  # the tiled kernel of the next
     return 'block' if large and not dropout else 'explicit'  # page, with a backward
+
+# %% ../nbs/11_kernels.ipynb #ch0ose02
+def choose_kernel(
+    queries:Tensor, # (b, heads, T, head_dim): its device, dtype and grad decide too
+    keys:Tensor,    # (b, kv_heads, S, head_dim)
+    runs:bool, # causal or a window, plus padding or documents: runs can hold it
+    window:int|None, # the mask's window, if it has one
+    scored:bool, # a score function: the caller's, a soft cap or sinks
+    dropout:float, # on the weights (0 in eval)
+    flex:bool=True, # FlexAttention can take the scores (not sinks: no extra logit)
+    forced:str|None=None, # attention_kernel's kernel in this thread, if any
+) -> str: # one of KERNELS
+    "The kernel of a masked call on whole sequences, by its mask and its scores."
+    if forced is not None: return forced
+    on_gpu = queries.is_cuda  # varlen flash attention: no window, no score function
+    runs = runs and not (on_gpu and (scored or window is not None))
+    pick = functools.partial(
+        pick_kernel, queries.device.type, True, queries.shape[2], keys.shape[2],
+        queries.requires_grad, dropout, half=queries.dtype in (torch.float16,
+                                                               torch.bfloat16),
+        mode=None if flex else 'off')
+    choice = pick(runs and window is None, scored=scored)
+    if (runs and choice in ('dense', 'block', 'explicit')
+            and pick(runs_only=True) == 'varlen'): return 'varlen'  # the runs pay
+    return choice
+
 
 # %% ../nbs/11_kernels.ipynb #m19c0036
 def _share_across_blocks(
@@ -600,18 +627,14 @@ def _attend_masked(self:MultiHeadAttention,
     dropout = self.dropout.p if self.training else 0.0
     sdpa = functools.partial(F.scaled_dot_product_attention, dropout_p=dropout,
                              enable_gqa=self.num_kv_heads != self.num_heads)  # GQA
-    if not (forced or padded or scored or mask_mod is not None  # causal, or none (a
-            or self.window is not None and self.window < T):  # window hides nothing):
-        return sdpa(queries, keys, values, is_causal=self.causal and T > 1)  # no mask
+    plain = not (padded or mask_mod is not None  # causal, or none (a window that
+                 or self.window is not None and self.window < T)  # hides nothing)
+    if plain and not (scored or forced):  # no mask at all: SDPA's flag
+        return sdpa(queries, keys, values, is_causal=self.causal and T > 1)
     by_run = (mask_mod is None and score_mod is None and
               _cuts_into_runs(self.window, key_padding_mask, document_ids, queries))
-    half = queries.dtype in (torch.float16, torch.bfloat16)
-    pick = functools.partial(pick_kernel, queries.device.type, True, T, T,  # for this
-                             queries.requires_grad, dropout, half=half)     # call
-    choice = forced or pick(by_run and self.window is None, scored=scored)
-    if (not forced and by_run and choice in ('dense', 'block', 'explicit')
-            and not (own and queries.is_cuda)     # runs cost less than the mask
-            and pick(runs_only=True) == 'varlen'): choice = 'varlen'
+    choice = choose_kernel(queries, keys, by_run, self.window, scored, dropout,
+                           forced=forced)
     if choice == 'varlen' and by_run and own:     # the cap, on each run alone
         explicit = lambda q, k, v: self._attend_explicit(q, k, v)[0]
         context = _each_run(queries, keys, values, key_padding_mask, document_ids,
@@ -628,7 +651,8 @@ def _attend_masked(self:MultiHeadAttention,
         if forced: _refuse_kernel(forced, "runs take padding and documents, no "
                                           "mask_mod or score_mod, and a window only "
                                           "over gapless rows")
-        choice = pick(runs_only=False, scored=scored)
+        choice = choose_kernel(queries, keys, False, self.window, scored,
+                               dropout)  # the same call, not in runs
     if choice.startswith('flex'):  # FlexAttention: tiles skipped, no dense mask
         return self._attend_flex(queries, keys, values, key_padding_mask, document_ids,
                                  choice == 'flex', mask_mod, score_mod, _forward_masks)

@@ -133,9 +133,9 @@ def _varlen_everywhere(monkeypatch):
     "Make the CPU take the varlen route (pick_kernel as on CUDA in half precision) with the stand-in kernel."
     monkeypatch.setattr(kernels, '_varlen_kernel', lambda device: _fake_varlen(True))
     real_pick = kernels.pick_kernel
-    def pick(device_type, masked, T, S, needs_grad, dropout, runs_only=False, half=False, scored=False):
+    def pick(device_type, masked, T, S, needs_grad, dropout, runs_only=False, half=False, scored=False, mode=None):
         if masked and runs_only and not dropout and not scored: return 'varlen'
-        return real_pick(device_type, masked, T, S, needs_grad, dropout, runs_only, half, scored)
+        return real_pick(device_type, masked, T, S, needs_grad, dropout, runs_only, half, scored, mode)
     monkeypatch.setattr(kernels, 'pick_kernel', pick)
     found = []
     monkeypatch.setattr(kernels, 'varlen_runs', lambda *a: found.append(1) or varlen_runs(*a))

@@ -27,9 +27,9 @@ from .core import (_Switches, _forget_old_main, _limit_name, _switches,
                                  check_size, check_token_ids, patch)
 from .causal import check_context
 from .multihead import MultiHeadAttention, _check_scale, _runs_in_rows
-from .masks import (and_masks, causal, dense_mask, document_positions,
-                                  documents, key_padding, sliding_window,
-                                  _check_mask_mods, _dense)
+from .masks import (and_masks, call_mask_mod, causal, dense_mask,
+                                  document_positions, documents, key_padding,
+                                  sliding_window, _check_mask_mods, _dense)
 
 
 # %% ../nbs/11_kernels.ipynb #m19c0032
@@ -426,20 +426,6 @@ def _check_document_ids(
         raise ValueError(f"document_ids must have shape {expected}; "
                          f"got {tuple(document_ids.shape)}")
 
-@patch
-def _mask_mod(self:MultiHeadAttention,
-              key_padding_mask:Tensor|None=None, # bool (b, num_tokens), True = padding
-              document_ids:Tensor|None=None, # int (b, num_tokens): packed documents
-              mask_mod:Callable|None=None, # the caller's, in place of causal or window
-             ): # the predicate (b, h, q_idx, kv_idx) -> True = attend; None: no mask
-    "The module's mask as one predicate: causal, a window or yours; padding; documents."
-    mods = [] if mask_mod is None else [mask_mod]
-    if mask_mod is None and self.causal:
-        mods.append(sliding_window(self.window) if self.window else causal)
-    if key_padding_mask is not None: mods.append(key_padding(key_padding_mask))
-    if document_ids is not None: mods.append(documents(document_ids))
-    return and_masks(*mods) if mods else None
-
 def _documents_rule(m:MultiHeadAttention, num_tokens:int, num_keys:int, batch:int,
                     mask_inputs:dict) -> Callable|None: # allowed -> allowed; or None
     "Packed documents: a query sees only the keys of its own document."
@@ -556,55 +542,54 @@ def _say_once(key:tuple, message:str) -> None:
 
 def _everywhere(b, h, q_idx, kv_idx): return q_idx >= 0  # no mask: every pair
 
-@patch
-def _attend_flex(self:MultiHeadAttention, queries, keys, values, key_padding_mask,
+def _attend_flex(m:MultiHeadAttention, queries, keys, values, key_padding_mask,
                  document_ids, compiled:bool, mask_mod=None, # the caller's, or None
                  score_mod=None, masks=None) -> Tensor: # (b, h, T, hd); the forward's
     "FlexAttention with the call's predicate and score function; blocks share masks."
     kernel = 'flex' if compiled else 'flex_eager'   # what attention_kernel asked for
     if queries.requires_grad and not queries.is_cuda:
         _refuse_kernel(kernel, "FlexAttention has no backward pass on a CPU")
-    if self.training and self.dropout.p:
+    if m.training and m.dropout.p:
         _refuse_kernel(kernel, "FlexAttention drops nothing")
     plain = key_padding_mask is None and document_ids is None
     form = (None if mask_mod is not None else  # yours: built for this call only
-            ('window', self.causal, self.window) if plain else
-            ('batch', self.causal, self.window))
+            ('window', m.causal, m.window) if plain else
+            ('batch', m.causal, m.window))
     reads = () if plain else (key_padding_mask, document_ids)
     forward = _switches.masks if masks is None else masks  # its blocks share
     if (mask_mod is not None and plain and forward is not None  # your mask, by a
             and not torch.compiler.is_compiling()):  # token made once a forward
         token = _kept(forward, ('token',), _share_across_blocks, torch.zeros(()))
-        form, reads = ('yours', mask_mod, self.num_heads), (token,)
-    predicate = self._mask_mod(key_padding_mask, document_ids, mask_mod)
+        form, reads = ('yours', mask_mod, m.num_heads), (token,)
+    predicate = call_mask_mod(m.causal, m.window, key_padding_mask,
+                              document_ids, mask_mod)
     return flex_attend(queries, keys, values, predicate or _everywhere, form,
-                       compiled=compiled, score_mod=self._score_mod(score_mod),
+                       compiled=compiled, score_mod=m._score_mod(score_mod),
                        reads=reads,
-                       heads=None if mask_mod is None else self.num_heads)
+                       heads=None if mask_mod is None else m.num_heads)
 
 # kernels of the unfused path by name, (module, q, k, v, key_padding_mask,
 # document_ids, mask_mod, score_mod) -> context; a later page adds 'block'
 UNFUSED_KERNELS = {}
 
-@patch
-def _attend_unfused(self:MultiHeadAttention, queries, keys, values, # (b, h|kv, T, hd)
+def _attend_unfused(m:MultiHeadAttention, queries, keys, values, # (b, h|kv, T, hd)
                     key_padding_mask, document_ids, mask_mod, score_mod, # the call's
                     kernel:str, # 'block' or 'explicit'
                     masks:dict|None=None, # the forward's: the explicit path's mask
                    ) -> Tensor: # (b, heads, T, head_dim)
     "`UNFUSED_KERNELS[kernel]`, else the explicit path; a large call says so once."
     if kernel in UNFUSED_KERNELS:
-        return UNFUSED_KERNELS[kernel](self, queries, keys, values, key_padding_mask,
+        return UNFUSED_KERNELS[kernel](m, queries, keys, values, key_padding_mask,
                                        document_ids, mask_mod, score_mod)
     (b, _, T, _), S = queries.shape, keys.shape[2]
     if T * S >= BLOCK_MIN_PAIRS and not _switches.kernel:
         _say_once(('explicit', 'dropout'), f"attention took the 'explicit' path: a "
                   f"score function with dropout goes to no fused kernel, so the scores "
                   f"of {T} x {S} pairs per head are held in memory")
-    opened, dead = _opened_once(self, T, b, queries.device, key_padding_mask,  # SDPA's
+    opened, dead = _opened_once(m, T, b, queries.device, key_padding_mask,  # SDPA's
                                 document_ids, mask_mod, masks)  # mask: once a forward
-    context = self._attend_explicit(queries, keys, values, opened,
-                                    score_mod=score_mod)[0]
+    context = m._attend_explicit(queries, keys, values, opened,
+                                 score_mod=score_mod)[0]
     return context if dead is None else context.masked_fill(dead, 0.0)  # no key: 0
 
 # %% ../nbs/11_kernels.ipynb #d15patch
@@ -654,12 +639,13 @@ def _attend_masked(self:MultiHeadAttention,
         choice = choose_kernel(queries, keys, False, self.window, scored,
                                dropout)  # the same call, not in runs
     if choice.startswith('flex'):  # FlexAttention: tiles skipped, no dense mask
-        return self._attend_flex(queries, keys, values, key_padding_mask, document_ids,
-                                 choice == 'flex', mask_mod, score_mod, _forward_masks)
+        return _attend_flex(self, queries, keys, values, key_padding_mask,
+                            document_ids, choice == 'flex', mask_mod, score_mod,
+                            _forward_masks)
     if choice in ('block', 'explicit'):  # the scores: tile by tile, or all at once
-        return self._attend_unfused(queries, keys, values, key_padding_mask,
-                                    document_ids, mask_mod, score_mod, choice,
-                                    _forward_masks)
+        return _attend_unfused(self, queries, keys, values, key_padding_mask,
+                               document_ids, mask_mod, score_mod, choice,
+                               _forward_masks)
     if scored: _refuse_kernel(choice, "SDPA takes no score function")
     opened, dead = _opened_once(self, T, queries.shape[0], queries.device,  # SDPA, the
                                 key_padding_mask, document_ids, mask_mod,   # dense mask

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from .core import check_flag, check_size, patch
 from .causal import causal_allowed
-from .masks import block_mask
+from .masks import block_mask, call_mask_mod
 from .multihead import MultiHeadAttention
 # RoPE, and its rescalings below, are written into one module (gqa_window_rope): the
 # attention reads them there, and they still import from here by name
@@ -226,7 +226,8 @@ def _attend_sunk(self:LlamaAttention, queries, keys, values, key_padding_mask=No
     if allowed is not None:  # a cache's own mask, (b | 1, 1, T, S): asked by row
         predicate, q_offset = lambda b, h, q, kv: allowed[b, 0, q, kv], 0
     else:
-        predicate = self._mask_mod(key_padding_mask, document_ids, mask_mod)
+        predicate = call_mask_mod(self.causal, self.window, key_padding_mask,
+                                  document_ids, mask_mod)
         q_offset = None
     per_row = not (key_padding_mask is None and document_ids is None
                    and mask_mod is None)

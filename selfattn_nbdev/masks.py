@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['EMPTY', 'PARTIAL', 'FULL', 'causal', 'sliding_window', 'key_padding', 'documents', 'document_positions', 'and_masks',
-           'or_masks', 'dense_mask', 'TileMask', 'block_mask']
+           'or_masks', 'call_mask_mod', 'dense_mask', 'TileMask', 'block_mask']
 
 # %% ../nbs/10_masks.ipynb #m19c0002
 from typing import Callable, NamedTuple
@@ -111,6 +111,23 @@ def or_masks(*mask_mods:Callable) -> Callable:
         for mask_mod in mask_mods[1:]: allowed = allowed | mask_mod(b, h, q_idx, kv_idx)
         return allowed
     return either
+
+# %% ../nbs/10_masks.ipynb #ca11m0d2
+def call_mask_mod(
+    is_causal:bool=True, # hide the future
+    window:int|None=None, # and keys `window` or more back (with is_causal)
+    key_padding_mask:Tensor|None=None, # bool (batch, num_keys), True = padding
+    document_ids:Tensor|None=None, # int (batch, num_tokens): packed documents
+    mask_mod:Callable|None=None, # yours, in place of causal and the window
+) -> Callable|None: # the predicate (b, h, q_idx, kv_idx) -> True = attend; None: all
+    "One attention call's mask: causal or a window (or yours), padding, documents."
+    mods = [] if mask_mod is None else [mask_mod]
+    if mask_mod is None and is_causal:
+        mods.append(sliding_window(window) if window else causal)
+    if key_padding_mask is not None: mods.append(key_padding(key_padding_mask))
+    if document_ids is not None: mods.append(documents(document_ids))
+    return and_masks(*mods) if mods else None
+
 
 # %% ../nbs/10_masks.ipynb #m19c0018
 def _ask(

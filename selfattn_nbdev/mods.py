@@ -8,7 +8,7 @@ __all__ = []
 # %% ../nbs/21_mods.ipynb #24adcf33
 from torch import Tensor
 
-from .masks import block_mask
+from .masks import block_mask, call_mask_mod
 from .kernels import UNFUSED_KERNELS, _refuse_kernel
 from .multihead import MultiHeadAttention
 from .gqa_window_rope import repeat_kv
@@ -24,7 +24,8 @@ def _attend_block(self:MultiHeadAttention, queries, keys, values, # (b, h|kv, T,
     (b, _, T, _), S = queries.shape, keys.shape[2]
     group = self.num_heads // self.num_kv_heads   # h: the query head, as Flex gives it
     keys, values = repeat_kv(keys, group), repeat_kv(values, group)  # (b, h, S, hd)
-    predicate = self._mask_mod(key_padding_mask, document_ids, mask_mod)
+    predicate = call_mask_mod(self.causal, self.window, key_padding_mask,
+                              document_ids, mask_mod)
     per_row = not (key_padding_mask is None and document_ids is None
                    and mask_mod is None)
     heads = 1 if mask_mod is None else self.num_heads  # a mask of yours may read h

@@ -328,8 +328,8 @@ def _route(m, x, **kw):
         mp.setattr(kernels, '_by_run', lambda *a: went.append('runs') or real_by_run(*a))
         mp.setattr(LlamaAttention, '_attend_sunk',
                    lambda self, *a, **k: went.append('tiled') or real_sunk(self, *a, **k))
-        mp.setattr(kernels.MultiHeadAttention, '_attend_flex',
-                   lambda self, q, *a, **k: went.append('flex') or torch.zeros_like(q))
+        mp.setattr(kernels, '_attend_flex',
+                   lambda m, q, *a, **k: went.append('flex') or torch.zeros_like(q))
         m(x, **kw)
     return went[0] if went else 'dense'
 

@@ -50,3 +50,14 @@ def test_a_capped_causal_call_without_a_mask_asks_too(monkeypatch):
     q = torch.randn(1, 2, 16, 8)
     with torch.no_grad(): out, _ = hf.attend(q, q, q, None, softcap=20.0)
     assert answers == ['explicit'] and out.shape == q.shape
+
+
+def test_a_capped_causal_call_without_a_mask_gives_the_explicit_paths_numbers_on_flex(monkeypatch):
+    "The maskless capped call that now asks choose_kernel: where it answers Flex, the numbers are the explicit path's."
+    answers = _asked(monkeypatch)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 24, 8, dtype=torch.float64) for _ in range(3))
+    with torch.no_grad():
+        with flex_mode('eager'): flexed, _ = hf.attend(q, k, v, None, softcap=5.0)
+        expected, _ = hf.attend(q, k, v, None, softcap=5.0, with_weights=True)
+    assert answers == ['flex_eager'] and (flexed - expected).abs().max() < 1e-10

@@ -17,7 +17,7 @@ from .generation import TinyGPT
 from .masks import block_mask, causal
 from .kernels import _check_mods, _dense_once, _refuse_kernel
 from .gqa_window_rope import (
-    _rope_cos_sin, _shared_table, check_yarn, rope_rotate, yarn_mscale)
+    _rope_cos_sin, _rows_at, _shared_table, check_yarn, rope_rotate, yarn_mscale)
 from .tiled import tiled_attention
 from .models import (TRANSFORMERS_ROUTE, LlamaBlock, SwiGLU, _refuse,
                                    _rope_of, _setting, hf_settings)
@@ -90,15 +90,17 @@ class LatentAttention(nn.Module):
         weight = self.W_DKV.weight
         check_tokens(x, self.d_model, weight.dtype, weight.device)
 
-    def _angles(self, x:Tensor, cache) -> tuple: # cos, sin: (T, d_R), (b|1, 1, T, d_R)
+    def _angles(self, x:Tensor, cache, # cos, sin: (T, d_R), or (b|1, 1, T, d_R)
+                positions:Tensor|None=None) -> tuple: # a model's (b | 1, T), if any
         "Check x (b, T, d) against the context or the cache; RoPE at its positions."
         T = x.shape[1]
         if cache is None: check_context(T, self.context_length)
         else: _check_cache(cache); cache.check_new_tokens(x, None, self)
         cos, sin = self._rope_table(x)                      # (context_length, d_R)
-        if cache is None: return cos[:T], sin[:T]
-        positions = cache.positions(T, x.device)            # (b | 1, T)
-        return cos[positions][:, None], sin[positions][:, None]
+        if positions is None and cache is not None:
+            positions = cache.positions(T, x.device)        # (b | 1, T)
+        if positions is None: return cos[:T], sin[:T]
+        return _rows_at(cos, sin, positions)                # gathered once a forward
 
     def _turn(self, x:Tensor, cos:Tensor, sin:Tensor) -> Tensor: # (..., T, d_R)
         "RoPE on the turned part; interleaved pairs (2p, 2p + 1) are put apart first."
@@ -137,6 +139,7 @@ class LatentAttention(nn.Module):
                 score_mod=None, # (score, b, h, q_idx, kv_idx) -> score: the tiled path
                 scale:float|None=None, # c in softmax(c q·k); None: the module's
                 _forward_masks:dict|None=None, # a model's forward: the masks it shares
+                _positions:Tensor|None=None, # a model's forward: its tokens' positions
                ) -> Tensor: # (b, num_tokens, d_model)
         "Queries; the latent and shared key, turned and cached; keys, values; attend."
         self._check_call(x, document_ids)
@@ -145,7 +148,7 @@ class LatentAttention(nn.Module):
             return self(x[None], cache, None, mask_mod, score_mod, scale,
                         _forward_masks)[0]
         b, T, _ = x.shape
-        cos, sin = self._angles(x, cache)       # (T, d_R) or (b | 1, 1, T, d_R)
+        cos, sin = self._angles(x, cache, _positions)  # (T | b, 1, T, d_R)
         q = (self.W_query(x) if self.q_rank is None
              else self.W_UQ(self.cq_norm(self.W_DQ(x))))    # (b, T, h * qk_dim)
         q = q.view(b, T, self.num_heads, -1).transpose(1, 2)  # (b, h, T, qk_dim)

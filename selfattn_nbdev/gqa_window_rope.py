@@ -235,6 +235,19 @@ def _rope_table(self:MultiHeadAttention,
                                            base, dtype)
     return _shared_table(self, ('rope', hd, base), num_positions, like, make)
 
+def _rows_at(cos:Tensor, sin:Tensor, # a table, (positions, hd) each
+             positions:Tensor, # (b | 1, T): a model hands one tensor to all its blocks
+            ) -> tuple: # cos, sin at the positions, (b | 1, 1, T, hd) each
+    "The table's rows at `positions`: gathered by the first block that asks, kept."
+    if torch.compiler.is_compiling():  # a graph gathers them itself
+        return cos[positions][:, None], sin[positions][:, None]
+    kept = positions.__dict__.setdefault('_rope_rows', {})  # by table; dies with it
+    rows = kept.get(id(cos))  # an entry holds its table: the id stays its own
+    if rows is None or rows[1] != positions._version:  # new, or written in place
+        rows = kept[id(cos)] = (cos, positions._version, cos[positions][:, None],
+                                sin[positions][:, None])
+    return rows[2], rows[3]
+
 def _rope_rule(m:MultiHeadAttention, # the module: its rope, context_length, tables
                queries:Tensor, keys:Tensor, # (b, heads | kv_heads, T, head_dim)
                positions:Tensor|None, # RoPE's (b | 1, T); None: 0 .. T-1
@@ -243,8 +256,7 @@ def _rope_rule(m:MultiHeadAttention, # the module: its rope, context_length, tab
     if not m.rope: return queries, keys
     cos, sin = m._rope_table(m.context_length, queries)      # (positions, hd)
     if positions is None: cos, sin = cos[:queries.shape[2]], sin[:queries.shape[2]]
-    else:  # (b | 1, 1, T, hd)
-        cos, sin = cos[positions][:, None], sin[positions][:, None]
+    else: cos, sin = _rows_at(cos, sin, positions)            # (b | 1, 1, T, hd)
     return rope_rotate(queries, cos, sin), rope_rotate(keys, cos, sin)
 
 MultiHeadAttention._position_rules['rope'] = _rope_rule  # _project applies it

@@ -21,7 +21,7 @@ from .multihead import MultiHeadAttention
 # RoPE, and its rescalings below, are written into one module (gqa_window_rope): the
 # attention reads them there, and they still import from here by name
 from .gqa_window_rope import (
-    LLAMA3_KEYS, RESCALINGS, YARN_DEFAULTS, _rope_cos_sin, _shared_table,
+    LLAMA3_KEYS, RESCALINGS, YARN_DEFAULTS, _rope_cos_sin, _rows_at, _shared_table,
     check_rope_scaling, check_yarn, repeat_kv, rope_frequencies,
     rope_rotate, yarn_frequencies, yarn_mscale)
 from .tiled import tiled_attention
@@ -128,7 +128,7 @@ def _rope_at(self:LlamaAttention, positions:Tensor|None, num_tokens:int,
     if s is None or s["rope_type"] not in ("dynamic", "longrope"):   # one table
         cos, sin = self._rope_table(self.context_length, like)
         if positions is None: return cos[:num_tokens], sin[:num_tokens]
-        return cos[positions][:, None], sin[positions][:, None]
+        return _rows_at(cos, sin, positions)      # (b | 1, 1, T, hd): once a forward
     where = torch.arange(num_tokens, device=like.device) if positions is None else (
         positions)
     seq_len = int(where.max()) + 1                 # transformers: the largest + 1

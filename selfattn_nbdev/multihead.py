@@ -328,6 +328,7 @@ def _inputs(self:MultiHeadAttention,
     check_flag(return_attn_weights, 'return_attn_weights')
     _check_padding_mask(key_padding_mask, x)
     if scale is not None: _check_scale(scale)
+    handed = mask_inputs.pop('_positions', None) if mask_inputs else None  # a model's
     positions = NotImplemented  # a later page's part may answer: packed documents
     if mask_inputs:  # the parts that take these inputs check them
         known = {name for names, _ in self._call_parts.values() for name in names}
@@ -347,7 +348,8 @@ def _inputs(self:MultiHeadAttention,
         if cache is None: check_context(x.shape[1], self.context_length)
         else:
             _check_cache(cache); cache.check_new_tokens(x, key_padding_mask, self)
-            positions = cache.positions(x.shape[1], x.device)
+            if handed is None: positions = cache.positions(x.shape[1], x.device)
+    if handed is not None: positions = handed  # found once for all the model's blocks
     if key_padding_mask is not None:  # NaN or inf in padding must not reach a sum
         x = torch.where(key_padding_mask[..., None], x.nan_to_num(0.0, 0.0, 0.0), x)
     return x, key_padding_mask, unbatched, positions

@@ -233,12 +233,13 @@ class SparseLatentAttention(LatentAttention):
                 cache=None, # a KVCache or StaticKVCache: x holds only the new tokens
                 document_ids=None, # packed documents: not supported here
                 _forward_masks=None, # a model's forward: its masks (none needed here)
+                _positions=None, # a model's forward: its tokens' positions, (b | 1, T)
                ) -> Tensor: # (b, num_tokens, d_model)
         "Index every key, keep the top k, attend to those: the rest as LatentAttention."
         self._check_call(x, document_ids)                   # LatentAttention's
         if x.dim() == 2: return self(x[None], cache)[0]  # one sequence: a batch of 1
         b, T, _ = x.shape
-        cos, sin = self._angles(x, cache)       # (T, d_R) or (b | 1, 1, T, d_R)
+        cos, sin = self._angles(x, cache, _positions)  # (T | b, 1, T, d_R)
         q_latent = self.cq_norm(self.W_DQ(x))               # (b, T, q_rank): c^Q
         q = self.W_UQ(q_latent).view(b, T, self.num_heads, -1).transpose(1, 2)
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)

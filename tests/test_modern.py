@@ -235,3 +235,64 @@ def test_a_models_blocks_share_one_rope_table_while_it_lives():
     assert {k[0] for k in keys} >= {'rope', 'llama'}
     del llama, gemma, tiny, model, b; gc.collect()
     assert not {k for k, _ in modern._TABLES.keys()} & keys                # freed with the models
+
+
+def test_a_model_hands_its_blocks_the_positions_and_each_tables_rows_once(monkeypatch):
+    """A decode step finds its tokens' positions once, in the model, and hands that tensor to every block (the data
+    flows one way): no block asks its cache again, and the rows of a RoPE table at those positions are gathered by the
+    first block that reads that table and kept for the others (Gemma's sliding and global blocks: two tables, two
+    gathers). The logits equal those of the same blocks called one by one, each finding its own positions."""
+    import selfattn_nbdev.deepseek_v3 as deepseek_v3, selfattn_nbdev.gqa_window_rope as rope
+    import selfattn_nbdev.llama_attention as llama_attention
+    from selfattn_nbdev.llama_attention import soft_cap
+    from selfattn_nbdev.gemma import Gemma
+    from selfattn_nbdev.models import Llama
+    torch.manual_seed(0)
+    models = {
+        'llama': (Llama(37, 64, d_model=32, num_heads=4, num_layers=3, num_kv_heads=2, d_hidden=48), 1),
+        'gemma': (Gemma(37, 64, d_model=32, num_heads=4, num_layers=4, num_kv_heads=2, d_hidden=48, head_dim=8,
+                        window=4, local_rope_base=10.0, layer_types=['sliding_attention', 'full_attention'] * 2), 2),
+        'deepseek': (deepseek_v3.DeepSeekV3(37, 64, d_model=32, num_heads=4, num_layers=2, d_hidden=48, kv_rank=8,
+                                            rope_dim=4, nope_dim=4, v_dim=8), 1)}
+    ids, nxt = torch.randint(0, 37, (2, 5)), torch.randint(0, 37, (2, 1))
+    asked, gathered, real_rows = [], [], rope._rows_at
+    def rows_at(cos, sin, positions):
+        before = len(positions.__dict__.get('_rope_rows', {}))
+        out = real_rows(cos, sin, positions)
+        gathered.append(len(positions.__dict__['_rope_rows']) - before)    # 1: gathered, 0: kept rows read
+        return out
+    for module in (rope, llama_attention, deepseek_v3): monkeypatch.setattr(module, '_rows_at', rows_at)
+    for name, (model, tables) in models.items():
+        model.eval()
+        with torch.no_grad():
+            caches = model.new_caches(); model(ids, caches)
+            kind = type(caches[0])
+            real_positions = kind.positions
+            def counted(cache, *args, **kwargs):
+                asked.append(cache); return real_positions(cache, *args, **kwargs)
+            monkeypatch.setattr(kind, 'positions', counted)
+            asked.clear(); gathered.clear()
+            handed = model(nxt, caches)
+            assert len(asked) == 1, (name, len(asked))                         # the model's one question
+            assert sum(gathered) == tables and len(gathered) == len(model.blocks), (name, gathered)
+            monkeypatch.setattr(kind, 'positions', real_positions)
+            caches = model.new_caches(); model(ids, caches)                  # again, block by block
+            x = model.token_emb(nxt)
+            for block, cache in zip(model.blocks, caches): x = block(x, cache=cache)
+            alone = model.head(model.norm(x))
+            if getattr(model, 'final_softcap', None): alone = soft_cap(alone, model.final_softcap)
+            assert torch.equal(handed, alone), name
+
+
+def test_kept_rope_rows_follow_their_positions():
+    "Rows kept on a positions tensor are gathered again once it is written in place (its version changes)."
+    from selfattn_nbdev.gqa_window_rope import _rows_at, rope_angles
+    cos, sin = rope_angles(torch.arange(16), 8)
+    positions = torch.tensor([[3, 4, 5]])
+    first = _rows_at(cos, sin, positions)
+    assert _rows_at(cos, sin, positions)[0] is first[0]                   # kept
+    positions += 7
+    again = _rows_at(cos, sin, positions)
+    assert torch.equal(again[0], cos[positions][:, None]) and torch.equal(again[1], sin[positions][:, None])
+    other = rope_angles(torch.arange(16), 8, base=100.0)
+    assert torch.equal(_rows_at(*other, positions)[0], other[0][positions][:, None])  # another table: its own

@@ -243,8 +243,9 @@ def _rows_at(cos:Tensor, sin:Tensor, # a table, (positions, hd) each
         return cos[positions][:, None], sin[positions][:, None]
     kept = positions.__dict__.setdefault('_rope_rows', {})  # by table; dies with it
     rows = kept.get(id(cos))  # an entry holds its table: the id stays its own
-    if rows is None or rows[1] != positions._version:  # new, or written in place
-        rows = kept[id(cos)] = (cos, positions._version, cos[positions][:, None],
+    version = None if positions.is_inference() else positions._version  # (untracked)
+    if rows is None or rows[1] != version:  # new, or written in place since
+        rows = kept[id(cos)] = (cos, version, cos[positions][:, None],
                                 sin[positions][:, None])
     return rows[2], rows[3]
 

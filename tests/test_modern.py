@@ -296,3 +296,28 @@ def test_kept_rope_rows_follow_their_positions():
     assert torch.equal(again[0], cos[positions][:, None]) and torch.equal(again[1], sin[positions][:, None])
     other = rope_angles(torch.arange(16), 8, base=100.0)
     assert torch.equal(_rows_at(*other, positions)[0], other[0][positions][:, None])  # another table: its own
+
+
+def test_a_decode_step_under_inference_mode_equals_no_grad():
+    """Under torch.inference_mode, where tensors keep no version counter, a decode step hands its positions and keeps
+    its rows as under no_grad, with the same logits (inference mode is how many users call a model)."""
+    from selfattn_nbdev.deepseek_v3 import DeepSeekV3
+    from selfattn_nbdev.gemma import Gemma
+    from selfattn_nbdev.generation import TinyGPT
+    from selfattn_nbdev.models import Llama
+    torch.manual_seed(0)
+    models = [Llama(37, 64, d_model=32, num_heads=4, num_layers=2, num_kv_heads=2, d_hidden=48),
+              Gemma(37, 64, d_model=32, num_heads=4, num_layers=2, num_kv_heads=2, d_hidden=48, head_dim=8,
+                    window=4, local_rope_base=10.0, layer_types=['sliding_attention', 'full_attention']),
+              DeepSeekV3(37, 64, d_model=32, num_heads=4, num_layers=2, d_hidden=48, kv_rank=8, rope_dim=4,
+                         nope_dim=4, v_dim=8),
+              TinyGPT(37, 64, d_model=32, num_heads=4, num_layers=2, rope=True)]
+    ids, nxt = torch.randint(0, 37, (2, 5)), torch.randint(0, 37, (2, 1))
+    for model in models:
+        model.eval()
+        out = {}
+        for name, mode in (('no_grad', torch.no_grad), ('inference', torch.inference_mode)):
+            with mode():
+                caches = model.new_caches(); model(ids, caches)
+                out[name] = (model(nxt, caches), model(nxt, caches))
+        for a, b in zip(out['no_grad'], out['inference']): assert torch.equal(a, b), type(model).__name__

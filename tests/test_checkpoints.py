@@ -112,6 +112,20 @@ def test_same_logits_and_greedy_tokens(saved):
     assert len(set(mine[0, 16:].tolist())) > 3, name               # not one token repeated
 
 
+def test_inference_mode_gives_no_grads_logits_and_tokens(saved):
+    """Many users call a model under torch.inference_mode, whose tensors keep no version counter and refuse some
+    operations: the same logits, and the same greedy tokens with a growing and a static cache, as under no_grad."""
+    name, theirs, folder = saved
+    ours = from_hf(folder)
+    token_ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(3))
+    prompt = token_ids[:, :12]
+    runs = {}
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            runs[mode] = (ours(token_ids), generate(ours, prompt, 8), generate(ours, prompt, 8, static=True))
+    for a, b in zip(*runs.values()): assert torch.equal(a, b), name
+
+
 def test_save_hf_writes_what_transformers_and_from_hf_read(saved, tmp_path):
     name, theirs, folder = saved
     ours = from_hf(folder)

@@ -131,9 +131,11 @@ class HybridCache(RecurrentCache):
         columns = self._first(device) + torch.arange(num_new, device=device)  # (T,)
         return columns[None] >= self.pads.to(device)[:, None]             # (b, T)
 
-    def positions(self, num_new:int, device=None) -> Tensor: # (1, num_new)
-        "Where the new tokens stand: after the ones seen."
-        return (self._first(device) + torch.arange(num_new, device=device))[None]
+    def positions(self, num_new:int, device=None) -> Tensor: # (b | 1, num_new)
+        "Where the new tokens stand in their row: after the ones seen, less its padding."
+        columns = (self._first(device) + torch.arange(num_new, device=device))[None]
+        if self.pads is None: return columns
+        return (columns - self.pads.to(device)[:, None]).clamp(min=0)  # padding: at 0
 
     def _first(self, device) -> int|Tensor: # the first new token's column
         "seen; in a compiled step, the tensor `begin_step` set (no number to guard on)."

@@ -241,11 +241,14 @@ def test_a_model_hands_its_blocks_the_positions_and_each_tables_rows_once(monkey
     """A decode step finds its tokens' positions once, in the model, and hands that tensor to every block (the data
     flows one way): no block asks its cache again, and the rows of a RoPE table at those positions are gathered by the
     first block that reads that table and kept for the others (Gemma's sliding and global blocks: two tables, two
-    gathers). The logits equal those of the same blocks called one by one, each finding its own positions."""
+    gathers). The logits equal those of the same blocks called one by one, each finding its own positions, also for
+    left-padded rows of a hybrid model, whose first cache (a linear block's) gives each row's positions as its
+    attention blocks' caches do."""
     import selfattn_nbdev.deepseek_v3 as deepseek_v3, selfattn_nbdev.gqa_window_rope as rope
     import selfattn_nbdev.llama_attention as llama_attention
     from selfattn_nbdev.llama_attention import soft_cap
     from selfattn_nbdev.gemma import Gemma
+    from selfattn_nbdev.hybrid import Qwen35
     from selfattn_nbdev.models import Llama
     torch.manual_seed(0)
     models = {
@@ -253,8 +256,12 @@ def test_a_model_hands_its_blocks_the_positions_and_each_tables_rows_once(monkey
         'gemma': (Gemma(37, 64, d_model=32, num_heads=4, num_layers=4, num_kv_heads=2, d_hidden=48, head_dim=8,
                         window=4, local_rope_base=10.0, layer_types=['sliding_attention', 'full_attention'] * 2), 2),
         'deepseek': (deepseek_v3.DeepSeekV3(37, 64, d_model=32, num_heads=4, num_layers=2, d_hidden=48, kv_rank=8,
-                                            rope_dim=4, nope_dim=4, v_dim=8), 1)}
-    ids, nxt = torch.randint(0, 37, (2, 5)), torch.randint(0, 37, (2, 1))
+                                            rope_dim=4, nope_dim=4, v_dim=8), 1),
+        'qwen3.5, left-padded rows': (Qwen35(37, 64, 32, 4, 4, 2, 48, 8, linear_num_key_heads=2,
+                                             linear_num_value_heads=4, linear_key_head_dim=8,
+                                             linear_value_head_dim=8), 1)}
+    ids, nxt, pads = torch.randint(0, 37, (2, 5)), torch.randint(0, 37, (2, 1)), torch.tensor([3, 0])
+    fresh = lambda model: model.new_caches(16, pads) if isinstance(model, Qwen35) else model.new_caches()
     asked, gathered, real_rows = [], [], rope._rows_at
     def rows_at(cos, sin, positions):
         before = len(positions.__dict__.get('_rope_rows', {}))
@@ -265,18 +272,20 @@ def test_a_model_hands_its_blocks_the_positions_and_each_tables_rows_once(monkey
     for name, (model, tables) in models.items():
         model.eval()
         with torch.no_grad():
-            caches = model.new_caches(); model(ids, caches)
-            kind = type(caches[0])
-            real_positions = kind.positions
-            def counted(cache, *args, **kwargs):
-                asked.append(cache); return real_positions(cache, *args, **kwargs)
-            monkeypatch.setattr(kind, 'positions', counted)
+            caches = fresh(model); model(ids, caches)
+            kinds = {type(cache): type(cache).positions for cache in caches}
+            def counting(real):
+                def counted(cache, *args, **kwargs):
+                    asked.append(cache); return real(cache, *args, **kwargs)
+                return counted
+            for kind, real in kinds.items(): monkeypatch.setattr(kind, 'positions', counting(real))
             asked.clear(); gathered.clear()
             handed = model(nxt, caches)
             assert len(asked) == 1, (name, len(asked))                         # the model's one question
-            assert sum(gathered) == tables and len(gathered) == len(model.blocks), (name, gathered)
-            monkeypatch.setattr(kind, 'positions', real_positions)
-            caches = model.new_caches(); model(ids, caches)                  # again, block by block
+            turned = sum(not getattr(b, 'linear', False) for b in model.blocks)  # Qwen3.5: 1 block in 4
+            assert sum(gathered) == tables and len(gathered) == turned, (name, gathered)
+            for kind, real in kinds.items(): monkeypatch.setattr(kind, 'positions', real)
+            caches = fresh(model); model(ids, caches)                        # again, block by block
             x = model.token_emb(nxt)
             for block, cache in zip(model.blocks, caches): x = block(x, cache=cache)
             alone = model.head(model.norm(x))

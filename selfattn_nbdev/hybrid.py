@@ -132,7 +132,7 @@ class HybridCache(RecurrentCache):
         return columns[None] >= self.pads.to(device)[:, None]             # (b, T)
 
     def positions(self, num_new:int, device=None) -> Tensor: # (b | 1, num_new)
-        "Where the new tokens stand in their row: after the ones seen, less its padding."
+        "Where the new tokens stand in their row: after those seen, less its padding."
         columns = (self._first(device) + torch.arange(num_new, device=device))[None]
         if self.pads is None: return columns
         return (columns - self.pads.to(device)[:, None]).clamp(min=0)  # padding: at 0

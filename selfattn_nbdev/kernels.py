@@ -698,8 +698,9 @@ def _masks_part(
         raise ValueError("document_ids cannot be combined with a cache; "
                          "generate each document on its own")
     if x.dim() == 2: mask_inputs['document_ids'] = document_ids = document_ids[None]
-    if not getattr(document_ids, '_shared_across_blocks', False):  # model: checked
-        _check_fits(document_ids.shape[1], m.context_length, document_ids)
+    if getattr(document_ids, '_shared_across_blocks', False):  # a model's: checked,
+        return None  # and its positions handed to every block (_documents_call_part)
+    _check_fits(document_ids.shape[1], m.context_length, document_ids)
     # with RoPE each document starts again at 0; without, positions are not read
     return document_positions(document_ids) if m.rope else None
 
@@ -759,6 +760,7 @@ def _documents_call_part(
     # the rows may be longer than the context: each document must fit
     _check_fits(token_ids.shape[1], model.context_length, document_ids, positions)
     attn_inputs['document_ids'] = _share_across_blocks(document_ids)  # one mask
+    attn_inputs['_positions'] = positions  # and one set of positions, for RoPE
     return positions
 
 MultiHeadAttention._model_parts['documents'] = ('document_ids',  # TinyGPT's too

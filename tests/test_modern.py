@@ -330,3 +330,23 @@ def test_a_decode_step_under_inference_mode_equals_no_grad():
                 caches = model.new_caches(); model(ids, caches)
                 out[name] = (model(nxt, caches), model(nxt, caches))
         for a, b in zip(out['no_grad'], out['inference']): assert torch.equal(a, b), type(model).__name__
+
+
+def test_packed_documents_positions_are_found_once_a_forward(monkeypatch):
+    """With packed documents the model finds each token's position in its document once and hands it to every block,
+    as with caches: document_positions runs once a forward, not once a block, and the logits are unchanged."""
+    import selfattn_nbdev.kernels as kernels
+    from selfattn_nbdev.models import Llama
+    torch.manual_seed(0)
+    model = Llama(37, 16, d_model=32, num_heads=4, num_layers=3, num_kv_heads=2, d_hidden=48).eval()
+    ids = torch.randint(0, 37, (2, 12))
+    documents = torch.tensor([[0] * 5 + [1] * 7, [0] * 9 + [1] * 3])
+    calls, real = [], kernels.document_positions
+    def counted(document_ids):
+        calls.append(1); return real(document_ids)
+    with torch.no_grad():
+        expected = torch.cat([model(ids[:, :5])[:1], model(ids[:1, 5:])], 1)   # row 0's documents, each alone
+        monkeypatch.setattr(kernels, 'document_positions', counted)
+        packed = model(ids, document_ids=documents)
+    assert len(calls) == 1, len(calls)
+    assert (packed[:1] - expected).abs().max() < 1e-5

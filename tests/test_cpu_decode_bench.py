@@ -85,3 +85,12 @@ def test_a_later_process_times_the_same_first_call_and_the_run_hands_it_on(monke
     monkeypatch.setattr(sys, 'argv', ['cpu_decode.py', '--later-compile', 'gpt2', '1'])
     cpu_decode.main()
     assert asked == [('gpt2', 1)]
+
+
+def test_host_overhead_times_both_steps_and_counts_per_layer():
+    "bench/host_overhead.py: both steps timed, and the package's extra time divided over the layers, in microseconds."
+    from bench import host_overhead
+    out = host_overhead.per_layer('llama', rounds=1, steps=2)
+    assert set(out) == {'package_ms', 'bare_ms', 'us_a_layer'} and out['package_ms'] > 0 and out['bare_ms'] > 0
+    per_layer = (out['package_ms'] - out['bare_ms']) / host_overhead.LAYERS * 1e3
+    assert abs(out['us_a_layer'] - per_layer) < 0.2

@@ -198,7 +198,6 @@ SINK_BLOCK = 64  # tokens per tile on the sinks' path
 @patch
 def _attend_sunk(self:LlamaAttention, queries, keys, values, key_padding_mask=None,
                  document_ids=None, allowed=None, # a cache's mask (b | 1, 1, T, S)
-                 cached:bool=False, # the keys are a cache's: copied for the backward
                  mask_mod=None, score_mod=None, # the caller's, as for forward
                 ) -> Tensor: # (b, heads, T, head_dim)
     "Sinks after the tiled kernel's L: masked tiles skipped, no (T, keys) scores."
@@ -210,8 +209,6 @@ def _attend_sunk(self:LlamaAttention, queries, keys, values, key_padding_mask=No
         if allowed is None: allowed = queries.new_ones(T, S, dtype=torch.bool)  # all
         return sinks_by_sdpa(queries, keys, values, self.sinks, allowed)
     group = self.num_heads // kv
-    if cached and torch.is_grad_enabled():  # a cache writes its storage in place
-        keys, values = keys.clone(), values.clone()  # before backward reads these
     yours = score_mod is not None or mask_mod is not None  # functions that may read h
     if not yours:  # GQA by broadcasting: a head group shares its keys
         queries = queries.unflatten(1, (kv, group)).transpose(0, 1)  # (kv,b,g,T,hd)
@@ -283,8 +280,7 @@ def _attend_fused(self:LlamaAttention, queries, keys, values, allowed=None,
     if allowed is None and not every_row:  # a whole sequence: the one choice
         return self._attend_masked(queries, keys, values)
     if self._sinks_tiled(queries.shape[2]):
-        return self._attend_sunk(queries, keys, values, allowed=allowed,
-                                 cached=every_row)
+        return self._attend_sunk(queries, keys, values, allowed=allowed)
     return self._attend_explicit(queries, keys, values, allowed)[0]
 
 @patch

@@ -370,6 +370,8 @@ def _attend(self:MultiHeadAttention,
            ) -> tuple: # context (b, heads, T, hd), weights (b, heads, T, keys) or None
     "Attend by the path asked for: explicit, with its weights, or fused."
     (b, _, T, _), S, more = queries.shape, keys.shape[2], mask_inputs or {}
+    if cached and torch.is_grad_enabled():  # a cache writes its storage in place:
+        keys, values = keys.clone(), values.clone()  # what backward reads, kept
     if return_attn_weights:
         if allowed is None: allowed = self._allowed(T, S, key_padding_mask, b, **more)
         return self._attend_explicit(queries, keys, values, allowed, **more)

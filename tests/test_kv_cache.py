@@ -74,3 +74,60 @@ def test_reset_and_errors():
     cache.reset()
     assert len(cache) == 0
     m(torch.randn(1, 6, 8), cache=cache)   # a full context after the reset
+
+
+def _full_and_chunked(model, ids, caches, sizes, **call):
+    "Loss and gradients of the whole sequence, then of it in chunks through the caches (training through them)."
+    def run(chunked):
+        model.zero_grad()
+        pieces = ids.split(sizes, 1) if chunked else [ids]
+        out = torch.cat([model(p, caches if chunked else None, **call) for p in pieces], 1)
+        out.double().pow(2).mean().backward()
+        return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return run(False), run(True)
+
+
+@pytest.mark.parametrize('family', ['llama growing', 'llama static', 'llama window ring', 'gemma', 'deepseek-v3',
+                                    'qwen3.5 hybrid'])
+def test_training_through_a_cache_in_chunks_gives_the_whole_sequences_gradients(family):
+    """A long text trained in chunks through the model's caches (each chunk attending to the cached keys of those
+    before, the gradient flowing back into them) gives the loss and gradients of the whole text at once: every
+    cache writes its storage in place, so backward reads copies of what attention read. Without them, autograd
+    refused ('modified by an inplace operation')."""
+    from selfattn_nbdev.deepseek_v3 import DeepSeekV3
+    from selfattn_nbdev.gemma import Gemma
+    from selfattn_nbdev.hybrid import Qwen35
+    from selfattn_nbdev.models import Llama
+    torch.manual_seed(0)
+    kind = family.split()[0]
+    model = {'llama': lambda: Llama(50, 32, 32, 4, 2, num_kv_heads=2, window=4 if 'window' in family else None),
+             'gemma': lambda: Gemma(50, 32, 32, 4, 2, num_kv_heads=2, d_hidden=48, head_dim=8, window=4,
+                                    layer_types=['sliding_attention', 'full_attention']),
+             'deepseek-v3': lambda: DeepSeekV3(50, 32, 32, 4, 2, d_hidden=48, kv_rank=8, rope_dim=4, nope_dim=4,
+                                               v_dim=8),
+             'qwen3.5': lambda: Qwen35(50, 32, 32, 4, 4, 2, 48, 8, linear_num_key_heads=2, linear_num_value_heads=4,
+                                       linear_key_head_dim=8, linear_value_head_dim=8)}[kind]().double()
+    ids = torch.randint(0, 50, (2, 14))
+    caches = model.new_caches(16) if ('static' in family or 'ring' in family) else model.new_caches()
+    sizes = [5] + [1] * 9 if 'ring' in family else [5, 1, 4, 4]  # a ring: one token at a time after the first
+    (whole, grads), (chunked, chunk_grads) = _full_and_chunked(model, ids, caches, sizes)
+    assert (whole - chunked).abs().max() < 1e-10, family
+    assert grads.keys() == chunk_grads.keys()
+    assert max((grads[n] - chunk_grads[n]).abs().max().item() for n in grads) < 1e-10, family
+
+
+def test_training_through_a_cache_with_sinks():
+    "The same for attention with sinks (gpt-oss), whose tiled path takes the cache's keys: one module, in chunks."
+    from selfattn_nbdev.llama_attention import LlamaAttention
+    torch.manual_seed(0)
+    m = LlamaAttention(16, 32, num_heads=4, num_kv_heads=2, sinks=True).double()
+    with torch.no_grad(): m.sinks.normal_()
+    x = torch.randn(2, 12, 16, dtype=torch.float64, requires_grad=True)
+    grads = []
+    for chunked in (False, True):
+        m.zero_grad(); x.grad = None
+        cache = KVCache()
+        out = (torch.cat([m(p, cache=cache) for p in x.split([5, 1, 6], 1)], 1) if chunked else m(x))
+        out.pow(2).mean().backward()
+        grads.append((out.detach(), x.grad.clone(), m.W_key.weight.grad.clone(), m.sinks.grad.clone()))
+    for a, b in zip(*grads): assert (a - b).abs().max() < 1e-10

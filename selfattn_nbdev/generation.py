@@ -118,7 +118,7 @@ class TinyGPT(nn.Module):
         positions = self._positions(token_ids, caches, attn_inputs)  # (b | 1, T)
         x = self.token_emb(token_ids)                        # (b, T, d_model)
         if self.pos_emb is not None: x = x + self.pos_emb(positions)  # RoPE: None
-        elif caches is not None: attn_inputs['_positions'] = positions  # for RoPE
+        elif caches is not None: attn_inputs['_positions'] = positions  # RoPE's, later
         for i, block in enumerate(self.blocks):
             x = block(x, cache=None if caches is None else caches[i], **attn_inputs)
         return self.head(self.norm(x))                       # (b, T, vocab_size)

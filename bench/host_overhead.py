@@ -6,10 +6,11 @@ GPT-2 and Llama of 12 layers at tiny widths (64 numbers a token, 4 heads; Llama 
 arithmetic is small and what remains is the work around it: checks, parts, the cache's bookkeeping, the calls between
 modules. The bare step is `bench/cpu_decode.py`'s (`bare_step`: the arithmetic alone, gpt-fast's shape of step). Both
 decode after a 32-token prompt, greedy; the package through its fast path (stacked projections, the faster product
-for a row), as `generate` runs it. Rounds alternate the two (5 rounds of 40 steps each, the median of the rounds);
+for a row), as `generate` runs it. After a warm-up that is not kept, rounds alternate the two (5 rounds of 40
+steps each, the median of the rounds);
 the figure is (package - bare) / layers, in microseconds. Nothing else should run: it times the host.
 """
-import argparse, datetime, json, platform, statistics, sys, time
+import argparse, datetime, json, os, platform, statistics, sys, time
 from pathlib import Path
 
 import torch
@@ -60,14 +61,16 @@ def main():
     transformers.logging.set_verbosity_error()
     result = dict(date=datetime.date.today().isoformat(), command='python bench/host_overhead.py --out '
                   'bench/host_overhead.json', torch=torch.__version__, machine=platform.processor() or
-                  platform.machine(), layers=LAYERS, widths=TINY, threads={})
+                  platform.machine(), layers=LAYERS, widths=TINY,
+                  threads=' and '.join(map(str, args.threads)), by_threads={})
     with open('/proc/cpuinfo') as f:
         names = [l.split(':', 1)[1].strip() for l in f if l.startswith('model name')]
-    if names: result['machine'] = names[0]
+    result['machine'] = dict(cpu_model=names[0] if names else result['machine'], cpu_count=os.cpu_count())
+    per_layer('gpt2', rounds=1, steps=20)  # a warm-up, not kept: a process's first steps run slow
     for threads in args.threads:
         torch.set_num_threads(threads)
-        result['threads'][str(threads)] = {name: per_layer(name) for name in TINY}
-        print(threads, 'thread(s):', result['threads'][str(threads)], flush=True)
+        result['by_threads'][str(threads)] = {name: per_layer(name) for name in TINY}
+        print(threads, 'thread(s):', result['by_threads'][str(threads)], flush=True)
     if args.out: Path(args.out).write_text(json.dumps(result, indent=1) + '\n')
 
 

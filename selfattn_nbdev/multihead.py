@@ -370,8 +370,9 @@ def _attend(self:MultiHeadAttention,
            ) -> tuple: # context (b, heads, T, hd), weights (b, heads, T, keys) or None
     "Attend by the path asked for: explicit, with its weights, or fused."
     (b, _, T, _), S, more = queries.shape, keys.shape[2], mask_inputs or {}
-    if cached and torch.is_grad_enabled():  # a cache writes its storage in place:
-        keys, values = keys.clone(), values.clone()  # what backward reads, kept
+    recorded = torch.is_grad_enabled() and (keys.requires_grad or values.requires_grad)
+    if cached and recorded:  # a cache writes its storage in place: backward reads
+        keys, values = keys.clone(), values.clone()  # copies of what attention read
     if return_attn_weights:
         if allowed is None: allowed = self._allowed(T, S, key_padding_mask, b, **more)
         return self._attend_explicit(queries, keys, values, allowed, **more)

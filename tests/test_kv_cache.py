@@ -76,12 +76,12 @@ def test_reset_and_errors():
     m(torch.randn(1, 6, 8), cache=cache)   # a full context after the reset
 
 
-def _full_and_chunked(model, ids, caches, sizes, **call):
+def _full_and_chunked(model, ids, caches, sizes):
     "Loss and gradients of the whole sequence, then of it in chunks through the caches (training through them)."
     def run(chunked):
         model.zero_grad()
         pieces = ids.split(sizes, 1) if chunked else [ids]
-        out = torch.cat([model(p, caches if chunked else None, **call) for p in pieces], 1)
+        out = torch.cat([model(p, caches if chunked else None) for p in pieces], 1)
         out.double().pow(2).mean().backward()
         return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return run(False), run(True)

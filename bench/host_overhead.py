@@ -7,8 +7,8 @@ arithmetic is small and what remains is the work around it: checks, parts, the c
 modules. The bare step is `bench/cpu_decode.py`'s (`bare_step`: the arithmetic alone, gpt-fast's shape of step). Both
 decode after a 32-token prompt, greedy; the package through its fast path (stacked projections, the faster product
 for a row), as `generate` runs it. After a warm-up that is not kept, rounds alternate the two (5 rounds of 40
-steps each, the median of the rounds);
-the figure is (package - bare) / layers, in microseconds. Nothing else should run: it times the host.
+steps each, the median of the rounds); the figure is (package - bare) / layers, in microseconds. Nothing else should
+run: it times the host.
 """
 import argparse, datetime, json, os, platform, statistics, sys, time
 from pathlib import Path
@@ -30,11 +30,11 @@ def per_layer(name: str, rounds: int = 5, steps: int = 40) -> dict:
     from selfattn_nbdev import decoding
     config = dict(cd.SHAPES[name]) | TINY[name]
     model = cd.ours_of(cd.hf_model(config)).eval()
-    ids, nxt = torch.randint(3, model.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0)), None
+    ids = torch.randint(3, model.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0))
+    nxt = torch.tensor([[5]])
     bare = cd.bare_step(model, False)
     times = {'package': [], 'bare': []}
     with torch.no_grad(), decoding.stacked(model), decoding.faster_products(model, None):
-        nxt = torch.tensor([[5]])
         for _ in range(rounds):
             for kind in times:
                 if kind == 'package':

@@ -26,7 +26,8 @@ from .causal import (check_dropout, check_context, causal_allowed,
                                    causal_mask, CausalAttention, leaks_future)
 from .multihead import (check_heads, MultiHeadAttentionWrapper,
                                       MultiHeadAttention, to_torch_multihead)
-from .generation import KVCache, TinyGPT
+from .caches import KVCache
+from .generation import TinyGPT
 from .decoding import StaticKVCache, generate, generate_stream, sample_next
 from .gqa_window_rope import (repeat_kv, window_allowed, window_mask,
                                             rope_angles, apply_rope)

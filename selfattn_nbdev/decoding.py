@@ -19,7 +19,8 @@ from torch import Tensor, nn
 from .core import (_forget_old_main, _limit_name, check_flag, check_range,
                                  check_size, check_token_ids, patch)
 from .multihead import MultiHeadAttention, _runs_in_rows
-from .generation import (KVCache, TinyGPT, _check_generation, _decode,
+from .caches import KVCache
+from .generation import (TinyGPT, _check_generation, _decode,
                                        _check_sampling, _draw, _signature_with,
                                        _stop_ids, truncated_logits)
 

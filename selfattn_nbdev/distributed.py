@@ -190,7 +190,7 @@ def check_tensor_parallel(
     "On each rank: one module whole, a copy split by `tensor_parallel`; compare them."
     import copy
     from torch.distributed.device_mesh import init_device_mesh
-    from selfattn_nbdev.generation import KVCache
+    from selfattn_nbdev.caches import KVCache
     mesh = init_device_mesh('cpu', (world_size,))
     results = []
     for config in configs:

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from .core import check_count, check_flag, check_range, check_size, patch
 from .causal import causal_allowed
 from .multihead import MultiHeadAttention
-from .generation import KVCache
+from .caches import KVCache
 from .decoding import StaticKVCache
 
 # %% ../nbs/09_modern.ipynb #bad67fae

@@ -26,9 +26,9 @@ from .causal import (check_dropout, check_context, causal_allowed,
                                    causal_mask, CausalAttention, leaks_future)
 from .multihead import (check_heads, MultiHeadAttentionWrapper,
                                       MultiHeadAttention, to_torch_multihead)
-from .caches import KVCache
+from .caches import KVCache, StaticKVCache
 from .generation import TinyGPT
-from .decoding import StaticKVCache, generate, generate_stream, sample_next
+from .decoding import generate, generate_stream, sample_next
 from .gqa_window_rope import (repeat_kv, window_allowed, window_mask,
                                             rope_angles, apply_rope)
 from .masks import (and_masks, causal, dense_mask, documents,

@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['LAYOUTS', 'l2_normalize', 'fused_recurrent_gated_delta_rule', 'fused_recurrent_kda', 'chunk_gated_delta_rule',
-           'chunk_kda', 'GatedRMSNorm', 'RecurrentCache', 'GatedDeltaNet']
+           'chunk_kda', 'GatedRMSNorm', 'GatedDeltaNet']
 
 # %% ../nbs/18_linear.ipynb #078e16b1
 import functools, math, numbers
@@ -15,6 +15,9 @@ from torch import Tensor, nn
 
 from .core import check_size, patch
 from .kernels import _check_document_ids
+
+# %% ../nbs/18_linear.ipynb #f484f0c9
+from .caches import RecurrentCache  # written below
 
 # %% ../nbs/18_linear.ipynb #51c0896a
 def _shape(x) -> str:
@@ -341,33 +344,6 @@ class GatedRMSNorm(nn.Module):
         xw = x.to(work)
         xw = xw * torch.rsqrt(xw.pow(2).mean(-1, keepdim=True) + self.eps)
         return (self.weight * xw.to(x.dtype) * F.silu(z.to(work))).to(x.dtype)
-
-# %% ../nbs/18_linear.ipynb #723dcefc
-class RecurrentCache:
-    "What a linear-attention layer keeps between calls: conv window and state, fixed."
-    def __init__(self): self.reset()
-    def reset(self) -> None:
-        "Forget every token, to start a new sequence: no window, no state."
-        self.conv, self.state, self.seen = None, None, 0
-    def __repr__(self):
-        conv, state = (None if t is None else tuple(t.shape)
-                       for t in (self.conv, self.state))
-        return f"RecurrentCache(seen={self.seen}, conv={conv}, state={state})"
-    @property
-    def num_seen(self) -> int: return self.seen  # as every cache of the package says it
-    def __len__(self) -> int: return 0  # no keys held: a fixed window and state
-    def positions(self, num_new:int, device=None) -> Tensor: # (1, num_new)
-        "Where the new tokens stand: after the ones seen, as a KV cache answers."
-        return torch.arange(self.seen, self.seen + num_new, device=device)[None]
-    def check(self, b:int, conv_shape:tuple, state_shape:tuple):
-        "Raise unless the held window and state fit a batch of b rows of this layer."
-        if self.conv is None: return
-        for held, want, name in ((self.conv, (b, *conv_shape), "conv window"),
-                                 (self.state, (b, *state_shape), "state")):
-            if tuple(held.shape) != want:
-                raise ValueError(f"the cache's {name} is {tuple(held.shape)} but this "
-                                 f"call needs {want}: a cache serves one layer and one "
-                                 f"batch; use a new RecurrentCache for another")
 
 # %% ../nbs/18_linear.ipynb #151c4393
 LAYOUTS = ("qwen3_next", "qwen3_5")

@@ -131,3 +131,46 @@ def test_training_through_a_cache_with_sinks():
         out.pow(2).mean().backward()
         grads.append((out.detach(), x.grad.clone(), m.W_key.weight.grad.clone(), m.sinks.grad.clone()))
     for a, b in zip(*grads): assert (a - b).abs().max() < 1e-10
+
+
+
+def _every_cache():
+    "One of each cache the package has, and whether it holds keys and values."
+    from selfattn_nbdev import caches
+    source = caches.KVSource(caches.KVCache())
+    source.positions(3)  # a sharing layer answers what its source answered this step
+    return [(caches.KVCache(), True), (caches.StaticKVCache(8), True), (caches.RingKVCache(8), True),
+            (caches.PagedKVCache(caches.BlockPool(4), 0), True), (source, True), (caches.SharedKV(source), True),
+            (caches.RecurrentCache(), False), (caches.HybridCache(), False)]
+
+
+def test_every_cache_lives_in_caches_and_keeps_the_protocol():
+    "One home, one protocol: every class shaped like a cache is in `caches`, and answers CacheProtocol (KV ones more)."
+    import importlib, inspect, pkgutil
+    import selfattn_nbdev
+    from selfattn_nbdev import caches
+    from selfattn_nbdev.caches import CacheProtocol, KVCacheProtocol
+    every = _every_cache()
+    shaped = {c for info in pkgutil.iter_modules(selfattn_nbdev.__path__)
+              for _, c in inspect.getmembers(importlib.import_module(f'selfattn_nbdev.{info.name}'), inspect.isclass)
+              if c.__module__.startswith('selfattn_nbdev.') and not issubclass(c, torch.nn.Module)
+              and all(hasattr(c, a) for a in ('positions', 'reset')) and c not in (CacheProtocol, KVCacheProtocol)}
+    assert {c.__module__ for c in shaped} == {caches.__name__}, {c.__name__: c.__module__ for c in shaped}
+    assert shaped == {type(c) for c, _ in every}, shaped ^ {type(c) for c, _ in every}
+    for cache, holds_keys in every:
+        assert isinstance(cache, CacheProtocol), type(cache).__name__
+        assert isinstance(cache, KVCacheProtocol) == holds_keys, type(cache).__name__
+        assert cache.num_seen == 0 and len(cache) == 0
+        rows = cache.positions(3)  # (b | 1, 3); a paged cache has no rows until a batch is set
+        assert rows.shape[-1] == 3 and all(r == [0, 1, 2] for r in rows.tolist()), type(cache).__name__
+    assert not isinstance(object(), CacheProtocol)
+
+
+def test_the_caches_keep_their_old_addresses():
+    "Nothing lost: each cache is still importable from the module that first held it, as the same class."
+    from selfattn_nbdev import caches, decoding, gemma4, generation, gqa_window_rope, hybrid, linear, serving
+    for old, name in [(generation, 'KVCache'), (decoding, 'StaticKVCache'), (decoding, 'decode_bound'),
+                      (decoding, 'DECODE_MIN_BOUND'), (gqa_window_rope, 'RingKVCache'), (linear, 'RecurrentCache'),
+                      (hybrid, 'HybridCache'), (serving, 'PagedKVCache'), (serving, 'BlockPool'),
+                      (gemma4, 'KVSource'), (gemma4, 'SharedKV'), (hybrid, 'SharedKV')]:
+        assert getattr(old, name) is getattr(caches, name), (old.__name__, name)

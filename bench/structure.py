@@ -43,7 +43,7 @@ def cross_module_patches() -> tuple:
     return len(patches), sum(1 for module, owner in patches if owner and classes.get(owner, module) != module)
 
 
-STORY = ['index', '01_simple', '02_trainable', '03_causal', '04_multihead', '05_training', '06_generation', '06_kv_cache']
+STORY = ['index', '01_simple', '02_trainable', '03_causal', '04_multihead', '05_training', '06_generation']
 
 
 def story_guards() -> dict:

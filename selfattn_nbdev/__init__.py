@@ -29,8 +29,8 @@ from .multihead import (check_heads, MultiHeadAttentionWrapper,
 from .caches import KVCache, StaticKVCache
 from .generation import TinyGPT
 from .decoding import generate, generate_stream, sample_next
-from .gqa_window_rope import (repeat_kv, window_allowed, window_mask,
-                                            rope_angles, apply_rope)
+from .gqa_window_rope import repeat_kv, window_allowed, window_mask
+from .rope import rope_angles, apply_rope
 from .masks import (and_masks, causal, dense_mask, documents,
                                   key_padding, or_masks, sliding_window)
 from .kernels import attention_kernel

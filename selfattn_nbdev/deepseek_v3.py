@@ -16,7 +16,7 @@ from .multihead import _check_cache
 from .generation import TinyGPT
 from .masks import block_mask, causal
 from .kernels import _check_mods, _dense_once, _refuse_kernel
-from .gqa_window_rope import (
+from .rope import (
     _rope_cos_sin, _rows_at, _shared_table, check_yarn, rope_rotate, yarn_mscale)
 from .tiled import tiled_attention
 from .models import (TRANSFORMERS_ROUTE, LlamaBlock, SwiGLU, _refuse,

@@ -16,7 +16,7 @@ from .generation import TinyGPT
 from .multihead import _check_cache
 from .decoding import project
 from .llama_attention import LlamaAttention
-from .gqa_window_rope import RESCALINGS, check_rope_scaling
+from .rope import RESCALINGS, check_rope_scaling
 from .models import HF_DEFAULTS, SwiGLU, _refuse, hf_settings
 from .gemma import GemmaRMSNorm
 from .pretrained import FAMILIES

@@ -18,11 +18,12 @@ from .core import check_flag, check_size, patch
 from .causal import causal_allowed
 from .masks import block_mask, call_mask_mod
 from .multihead import MultiHeadAttention
-# RoPE, and its rescalings below, are written into one module (gqa_window_rope): the
-# attention reads them there, and they still import from here by name
-from .gqa_window_rope import (
+# RoPE, and its rescalings below, are written into one module (rope): the attention
+# reads them there, and they still import from here by name
+from .gqa_window_rope import repeat_kv
+from .rope import (
     LLAMA3_KEYS, RESCALINGS, YARN_DEFAULTS, _rope_cos_sin, _rows_at, _shared_table,
-    check_rope_scaling, check_yarn, repeat_kv, rope_frequencies,
+    check_rope_scaling, check_yarn, rope_frequencies,
     rope_rotate, yarn_frequencies, yarn_mscale)
 from .tiled import tiled_attention
 

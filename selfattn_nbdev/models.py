@@ -25,7 +25,7 @@ from .multihead import MultiHeadAttention
 from .generation import TinyGPT, TransformerBlock
 from .decoding import project
 from .llama_attention import LAYER_TYPES, LlamaAttention, layer_windows
-from .gqa_window_rope import (
+from .rope import (
     RESCALINGS, check_rope_scaling, check_yarn,
     rope_frequencies, yarn_frequencies, yarn_mscale)
 _all_ = ["check_yarn", "yarn_frequencies", "yarn_mscale"]  # here since they moved

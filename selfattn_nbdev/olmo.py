@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from .core import check_size
 from .generation import TinyGPT
-from .gqa_window_rope import rope_rotate
+from .rope import rope_rotate
 from .llama_attention import LlamaAttention, layer_windows
 from .models import (HF_DEFAULTS, SwiGLU, _refuse, _rope_of, _setting,
                                    hf_settings, llama_weight_map)

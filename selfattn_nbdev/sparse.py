@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from .core import check_size
 from .causal import causal_allowed, check_dropout
-from .gqa_window_rope import rope_rotate
+from .rope import rope_rotate
 from .deepseek_v3 import LatentAttention
 
 # %% ../nbs/19_sparse.ipynb #985f3bbf

@@ -214,7 +214,7 @@ def test_a_models_blocks_share_one_rope_table_while_it_lives():
     by the blocks that need the same one (a Llama-1B-sized context of 131,072 positions took 16 copies, 1 GiB), and
     freed with the model. Gemma's sliding and global blocks have different bases, so two tables."""
     import gc
-    from selfattn_nbdev import gqa_window_rope as modern
+    from selfattn_nbdev import rope
     from selfattn_nbdev.generation import TinyGPT
     from selfattn_nbdev.gemma import Gemma
     from selfattn_nbdev.models import Llama
@@ -231,10 +231,10 @@ def test_a_models_blocks_share_one_rope_table_while_it_lives():
             assert len(kept) == tables
             for b in model.blocks: b.attn._rope_cache = None        # each block its own table again
             assert torch.equal(model(ids), before)
-    keys = {k for k, _ in modern._TABLES.keys()}
+    keys = {k for k, _ in rope._TABLES.keys()}
     assert {k[0] for k in keys} >= {'rope', 'llama'}
     del llama, gemma, tiny, model, b; gc.collect()
-    assert not {k for k, _ in modern._TABLES.keys()} & keys                # freed with the models
+    assert not {k for k, _ in rope._TABLES.keys()} & keys                # freed with the models
 
 
 def test_a_model_hands_its_blocks_the_positions_and_each_tables_rows_once(monkeypatch):
@@ -244,7 +244,7 @@ def test_a_model_hands_its_blocks_the_positions_and_each_tables_rows_once(monkey
     gathers). The logits equal those of the same blocks called one by one, each finding its own positions, also for
     left-padded rows of a hybrid model, whose first cache (a linear block's) gives each row's positions as its
     attention blocks' caches do."""
-    import selfattn_nbdev.deepseek_v3 as deepseek_v3, selfattn_nbdev.gqa_window_rope as rope
+    import selfattn_nbdev.deepseek_v3 as deepseek_v3, selfattn_nbdev.rope as rope
     import selfattn_nbdev.llama_attention as llama_attention
     from selfattn_nbdev.llama_attention import soft_cap
     from selfattn_nbdev.gemma import Gemma

@@ -133,8 +133,8 @@ def test_modules_import_each_other_relatively():
 
 
 def test_rope_has_one_home_and_its_old_paths_still_import():
-    "RoPE, its rescalings and its cos/sin live in gqa_window_rope; llama_attention and models still give them by name."
-    from selfattn_nbdev import gqa_window_rope as rope, llama_attention, models
+    "RoPE, its rescalings and its cos/sin live in rope; gqa_window_rope, llama_attention and models still give them by name."
+    from selfattn_nbdev import gqa_window_rope, llama_attention, models, rope
     names = ['rope_angles', 'rope_rotate', 'apply_rope', 'check_rope', 'rope_frequencies', 'yarn_frequencies',
              'yarn_mscale', 'check_rope_scaling', 'check_yarn', 'RESCALINGS', '_rope_cos_sin']
     for name in names:
@@ -145,5 +145,8 @@ def test_rope_has_one_home_and_its_old_paths_still_import():
         assert getattr(llama_attention, name) is getattr(rope, name), name
     for name in ['check_yarn', 'yarn_frequencies', 'yarn_mscale', 'rope_frequencies']:
         assert getattr(models, name) is getattr(rope, name), name
+    for name in names + ['LLAMA3_KEYS', 'YARN_DEFAULTS', '_rows_at', '_shared_table']:  # where they lived before
+        assert getattr(gqa_window_rope, name) is getattr(rope, name), name
     public = [n for n in names if not n.startswith('_')]
-    assert set(public) <= set(rope.__all__) and not set(public) & set(llama_attention.__all__)  # one home
+    assert set(public) <= set(rope.__all__)  # one home
+    assert not set(public) & (set(llama_attention.__all__) | set(gqa_window_rope.__all__))

@@ -5,7 +5,8 @@
 # %% auto #0
 __all__ = ['GEMV_ROWS', 'GEMM_PROBE_ROWS', 'KERNELS', 'PROBE_PASSES', 'PROBE_WIN', 'stack_weights', 'stacked', 'project',
            'onednn_linear', 'row_dot', 'gemv_kernel', 'gemm_kernel', 'compiled_gemv_kernel', 'faster_products',
-           'penalize_repeats', 'keep_min_p', 'sample_next', 'generate_stream', 'generate']
+           'penalize_repeats', 'keep_min_p', 'sample_next', 'generate_stream', 'generate', 'DECODE_MIN_BOUND',
+           'StaticKVCache', 'decode_bound']
 
 # %% ../nbs/07_batches.ipynb #312f198d
 import collections, inspect, logging, math, threading, time, warnings
@@ -24,6 +25,7 @@ from .generation import (TinyGPT, _check_generation, _decode,
 
 # %% ../nbs/07_batches.ipynb #ebdcc8ca
 from .caches import DECODE_MIN_BOUND, StaticKVCache, decode_bound  # written below
+_all_ = ["DECODE_MIN_BOUND", "StaticKVCache", "decode_bound"]  # `import *` from here gives them still
 
 # %% ../nbs/07_batches.ipynb #bbfdf302
 @patch

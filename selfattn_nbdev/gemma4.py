@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['GEMMA4_ROPE', 'kv_sources', 'Gemma4RMSNorm', 'Gemma4Attention', 'Gemma4Block', 'Gemma4', 'gemma4_config',
-           'gemma4_weight_map']
+           'gemma4_weight_map', 'KVSource', 'SharedKV']
 
 # %% ../nbs/27_gemma4.ipynb #59244b68
 import math, numbers
@@ -23,6 +23,7 @@ from .pretrained import FAMILIES
 
 # %% ../nbs/27_gemma4.ipynb #15aa7f58
 from .caches import KVSource, SharedKV  # written below
+_all_ = ["KVSource", "SharedKV"]  # `import *` from here gives them still
 
 # %% ../nbs/27_gemma4.ipynb #fb8e30b7
 def kv_sources(

@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['LAYOUTS', 'l2_normalize', 'fused_recurrent_gated_delta_rule', 'fused_recurrent_kda', 'chunk_gated_delta_rule',
-           'chunk_kda', 'GatedRMSNorm', 'GatedDeltaNet']
+           'chunk_kda', 'GatedRMSNorm', 'GatedDeltaNet', 'RecurrentCache']
 
 # %% ../nbs/18_linear.ipynb #078e16b1
 import functools, math, numbers
@@ -18,6 +18,7 @@ from .kernels import _check_document_ids
 
 # %% ../nbs/18_linear.ipynb #f484f0c9
 from .caches import RecurrentCache  # written below
+_all_ = ["RecurrentCache"]  # `import *` from here gives them still
 
 # %% ../nbs/18_linear.ipynb #51c0896a
 def _shape(x) -> str:

@@ -148,5 +148,5 @@ def test_rope_has_one_home_and_its_old_paths_still_import():
     for name in names + ['LLAMA3_KEYS', 'YARN_DEFAULTS', '_rows_at', '_shared_table']:  # where they lived before
         assert getattr(gqa_window_rope, name) is getattr(rope, name), name
     public = [n for n in names if not n.startswith('_')]
-    assert set(public) <= set(rope.__all__)  # one home
-    assert not set(public) & (set(llama_attention.__all__) | set(gqa_window_rope.__all__))
+    assert set(public) <= set(rope.__all__) and set(public) <= set(gqa_window_rope.__all__)  # `import *` there still
+    assert not set(public) & set(llama_attention.__all__)

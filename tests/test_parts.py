@@ -531,8 +531,7 @@ def test_moved_families_still_import_from_their_old_home():
     from selfattn_nbdev import gemma4, hybrid  # Gemma 4 moved from the hybrid page to its own
     moved = ('GEMMA4_ROPE', 'Gemma4', 'Gemma4Attention', 'Gemma4Block', 'Gemma4RMSNorm', 'KVSource', 'SharedKV',
              'gemma4_config', 'gemma4_weight_map', 'kv_sources')
-    cached = {'KVSource', 'SharedKV'}  # its two caches live in caches now, still importable from both
-    assert set(moved) - cached == set(gemma4.__all__) and all(getattr(hybrid, n) is getattr(gemma4, n) for n in moved)
+    assert set(moved) == set(gemma4.__all__) and all(getattr(hybrid, n) is getattr(gemma4, n) for n in moved)
     assert pretrained.FAMILIES['gemma4_text'][0] is gemma4.Gemma4
 
 

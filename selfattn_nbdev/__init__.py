@@ -8,10 +8,10 @@ __all__ = ['SelfAttention', 'check_tokens', 'check_size', 'check_flag', 'check_c
            'check_dropout', 'check_context', 'softmax_stable', 'simple_attention', 'SelfAttentionV1', 'SelfAttentionV2',
            'causal_allowed', 'causal_mask', 'CausalAttention', 'leaks_future', 'check_heads',
            'MultiHeadAttentionWrapper', 'MultiHeadAttention', 'to_torch_multihead', 'KVCache', 'StaticKVCache',
-           'TinyGPT', 'generate', 'generate_stream', 'sample_next', 'repeat_kv', 'window_allowed', 'window_mask',
-           'rope_angles', 'apply_rope', 'causal', 'sliding_window', 'key_padding', 'documents', 'and_masks', 'or_masks',
-           'dense_mask', 'attention_kernel', 'tiled_attention', 'AttentionExplorer', 'package_attention', 'from_hf',
-           'save_hf']
+           'CacheProtocol', 'KVCacheProtocol', 'TinyGPT', 'generate', 'generate_stream', 'sample_next', 'repeat_kv',
+           'window_allowed', 'window_mask', 'rope_angles', 'apply_rope', 'causal', 'sliding_window', 'key_padding',
+           'documents', 'and_masks', 'or_masks', 'dense_mask', 'attention_kernel', 'tiled_attention',
+           'AttentionExplorer', 'package_attention', 'from_hf', 'save_hf']
 
 # %% ../nbs/index.ipynb #e26eca70
 # Later pages add to the modules of earlier ones (MultiHeadAttention gains a cache,
@@ -26,7 +26,7 @@ from .causal import (check_dropout, check_context, causal_allowed,
                                    causal_mask, CausalAttention, leaks_future)
 from .multihead import (check_heads, MultiHeadAttentionWrapper,
                                       MultiHeadAttention, to_torch_multihead)
-from .caches import KVCache, StaticKVCache
+from .caches import CacheProtocol, KVCache, KVCacheProtocol, StaticKVCache
 from .generation import TinyGPT
 from .decoding import generate, generate_stream, sample_next
 from .gqa_window_rope import repeat_kv, window_allowed, window_mask
@@ -51,7 +51,8 @@ _all_ = ['SelfAttention', 'check_tokens', 'check_size', 'check_flag', 'check_cou
          'softmax_stable', 'simple_attention', 'SelfAttentionV1', 'SelfAttentionV2',
          'causal_allowed', 'causal_mask', 'CausalAttention', 'leaks_future',
          'check_heads', 'MultiHeadAttentionWrapper', 'MultiHeadAttention',
-         'to_torch_multihead', 'KVCache', 'StaticKVCache', 'TinyGPT', 'generate',
+         'to_torch_multihead', 'KVCache', 'StaticKVCache', 'CacheProtocol',
+         'KVCacheProtocol', 'TinyGPT', 'generate',
          'generate_stream', 'sample_next', 'repeat_kv', 'window_allowed',
          'window_mask', 'rope_angles', 'apply_rope',
          'causal', 'sliding_window', 'key_padding', 'documents', 'and_masks',

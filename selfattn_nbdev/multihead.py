@@ -292,13 +292,14 @@ def _attend_fused(self:MultiHeadAttention,
 def _check_cache(
     cache, # what forward was given as cache
 ) -> None:
-    "A cache keeps Generation's protocol: check_new_tokens, positions, update."
+    "A cache keeps The KV cache's protocol: check_new_tokens, positions, update."
     if not (callable(getattr(cache, 'check_new_tokens', None))  # every layer, every
             and callable(getattr(cache, 'positions', None))     # step: no generator
             and callable(getattr(cache, 'update', None))):
-        raise TypeError(f"cache must be a KVCache or StaticKVCache (or keep their "
-                        f"protocol: check_new_tokens, positions, update); got "
-                        f"{type(cache).__name__} {cache!r:.40}")
+        raise TypeError(f"cache must keep the protocol of selfattn_nbdev."
+                        f"KVCacheProtocol (check_new_tokens, positions, update), as "
+                        f"KVCache and StaticKVCache do; got {type(cache).__name__} "
+                        f"{cache!r:.40}")
 
 def _check_scale(scale) -> None:
     "A scale of the scores is None or a finite number."

@@ -24,6 +24,7 @@ from selfattn_nbdev.explorer import AttentionExplorer, reference_module
 from selfattn_nbdev.generation import CharTokenizer, TinyGPT, TransformerBlock, train_tiny_gpt
 from selfattn_nbdev.decoding import sample_next
 from selfattn_nbdev.decoding import StaticKVCache, generate, generate_stream
+from selfattn_nbdev.caches import CacheProtocol
 from selfattn_nbdev.gqa_window_rope import check_kv_heads, check_rope, check_window
 from selfattn_nbdev.gqa_window_rope import rope_rotate as R_rope_rotate
 from selfattn_nbdev.tiled import online_softmax, tiled_attention
@@ -617,6 +618,9 @@ CASES = {
                                                                         '(1, 3, 1, 4)']),
     'MHA cache list': (lambda: MultiHeadAttention(4, 4, 8)(torch.randn(1, 2, 4), cache=[]), TypeError,
                        ['cache', 'KVCache', 'list []']),
+    'KVCacheProtocol kept by no list': (lambda: MultiHeadAttention(4, 4, 8)(torch.randn(1, 2, 4), cache=[1]), TypeError,
+                                        ['selfattn_nbdev.KVCacheProtocol', 'check_new_tokens', 'list [1]']),
+    'CacheProtocol instantiated': (lambda: CacheProtocol(), TypeError, ['Protocols cannot be instantiated']),
     'TinyGPT cache list': (lambda: GPT(torch.zeros(1, 2, dtype=torch.long), [[]]), TypeError, ['cache', 'list']),
     'TinyGPT caches one cache': (lambda: GPT(torch.zeros(1, 2, dtype=torch.long), KVCache()), ValueError,
                                  ['caches must be a list of 1', 'KVCache(0 tokens)']),

@@ -296,10 +296,12 @@ def _check_cache(
     if not (callable(getattr(cache, 'check_new_tokens', None))  # every layer, every
             and callable(getattr(cache, 'positions', None))     # step: no generator
             and callable(getattr(cache, 'update', None))):
+        lacks = [n for n in ('check_new_tokens', 'positions', 'update')
+                 if not callable(getattr(cache, n, None))]
         raise TypeError(f"cache must keep the protocol of selfattn_nbdev."
                         f"KVCacheProtocol (check_new_tokens, positions, update), as "
                         f"KVCache and StaticKVCache do; got {type(cache).__name__} "
-                        f"{cache!r:.40}")
+                        f"{cache!r:.40}, without {', '.join(lacks)}")
 
 def _check_scale(scale) -> None:
     "A scale of the scores is None or a finite number."

@@ -24,7 +24,7 @@ from .caches import RingKVCache  # written below
 _all_ = ["RingKVCache"]  # `import *` from here gives them still
 
 # %% ../nbs/09_modern.ipynb #9dc4173f
-from .rope import _rope_rule, _rows_at, _shared_table  # written below
+from .rope import _rows_at, _shared_table  # written below; read here before
 _all_ = ["apply_rope", "check_rope", "rope_angles", "rope_rotate"]  # `import *` from here gives them still
 
 # %% ../nbs/09_modern.ipynb #bad67fae

@@ -130,19 +130,22 @@ def gemv_rate(model, column_major: bool, onednn: bool = False) -> float:
 
 def ours_rate(model, ids, new, static=None, compile=False, kernel=None) -> tuple:  # static None: generate's
     "Tokens a second of the decode steps, and the new tokens; `kernel` 'blas': every product by F.linear's BLAS."
-    steps, measured = [], (decoding.gemv_kernel, decoding.gemm_kernel)
-    if kernel is not None: decoding.gemv_kernel = decoding.gemm_kernel = lambda model, linears=None: kernel
+    steps, measured = [], decoding.rows_kernel
+    if kernel is not None: decoding.rows_kernel = lambda model, rows, linears=None: kernel
     try: out = generate(model, ids, new, step_times=steps, static=static, stop_ids=[], compile=compile)
-    finally: decoding.gemv_kernel, decoding.gemm_kernel = measured
+    finally: decoding.rows_kernel = measured
     return (new - 1) * ids.shape[0] / sum(steps[1:]), out[:, ids.shape[1]:]
 
 
 def chosen_kernel(model) -> dict:
     """What `gemv_kernel` (one row), `gemm_kernel` (a prompt's rows) and `compiled_gemv_kernel` (a compiled step's
-    one row: Inductor's loop or the BLAS) choose at this thread count (kept after), and the seconds each took."""
-    start = time.perf_counter(); kernel = decoding.gemv_kernel(model); gemv_s = time.perf_counter() - start
-    start = time.perf_counter(); prompt = decoding.gemm_kernel(model); gemm_s = time.perf_counter() - start
-    start = time.perf_counter(); compiled = decoding.compiled_gemv_kernel(model); loop_s = time.perf_counter() - start
+    one row: Inductor's loop or the BLAS) choose at this thread count (kept after), and the seconds each took; on the
+    matrices `generate` multiplies by (inside `stacked`: q, k, v one product, gate and up one)."""
+    with decoding.stacked(model):
+        start = time.perf_counter(); kernel = decoding.gemv_kernel(model); gemv_s = time.perf_counter() - start
+        start = time.perf_counter(); prompt = decoding.gemm_kernel(model); gemm_s = time.perf_counter() - start
+        start = time.perf_counter(); compiled = decoding.compiled_gemv_kernel(model)
+        loop_s = time.perf_counter() - start
     return dict(kernel=kernel, seconds=gemv_s, prompt_kernel=prompt, prompt_seconds=gemm_s,
                 compiled_kernel=compiled, compiled_seconds=loop_s)
 

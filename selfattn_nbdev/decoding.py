@@ -4,9 +4,9 @@
 
 # %% auto #0
 __all__ = ['GEMV_ROWS', 'GEMM_PROBE_ROWS', 'KERNELS', 'PROBE_PASSES', 'PROBE_WIN', 'stack_weights', 'stacked', 'project',
-           'onednn_linear', 'row_dot', 'gemv_kernel', 'gemm_kernel', 'compiled_gemv_kernel', 'faster_products',
-           'penalize_repeats', 'keep_min_p', 'sample_next', 'generate_stream', 'generate', 'DECODE_MIN_BOUND',
-           'StaticKVCache', 'decode_bound']
+           'onednn_linear', 'row_dot', 'row_bucket', 'rows_kernel', 'gemv_kernel', 'gemm_kernel',
+           'compiled_gemv_kernel', 'faster_products', 'penalize_repeats', 'keep_min_p', 'sample_next',
+           'generate_stream', 'generate', 'DECODE_MIN_BOUND', 'StaticKVCache', 'decode_bound']
 
 # %% ../nbs/07_batches.ipynb #312f198d
 import collections, inspect, logging, math, threading, time, warnings
@@ -137,8 +137,8 @@ MultiHeadAttention.stacked_linears = (('W_query', 'W_key', 'W_value'),)  # see s
 MultiHeadAttention._products['stacked'] = project  # _qkv asks it: one product
 
 # %% ../nbs/07_batches.ipynb #f69db96c
-GEMV_ROWS = 16  # a product of at most this many rows (tokens) is a decode step's
-GEMM_PROBE_ROWS = 64  # the rows gemm_kernel measures with: a prompt's
+GEMV_ROWS = 16  # at most this many rows (tokens): a decode step's, probed on 64 MB
+GEMM_PROBE_ROWS = 64  # the most rows a probe takes: a prompt's (more take its kernel)
 KERNELS = ('onednn', 'blas')  # faster_products' kernels (see below)
 
 def onednn_linear(
@@ -158,11 +158,17 @@ def row_dot(
     y = (x.unsqueeze(-2) * weight).sum(-1)   # (..., 1, d_out, d_in) summed: never made
     return y if bias is None else y + bias   # eagerly it would be: compiled steps only
 
+def row_bucket(
+    rows:int, # the rows (tokens) of a product
+) -> int: # the rows its kernel is measured with: 1, 2, 4, ..., GEMM_PROBE_ROWS
+    "The power of two at or above `rows`, at most GEMM_PROBE_ROWS: a probe per bucket."
+    return min(1 << (max(rows, 1) - 1).bit_length(), GEMM_PROBE_ROWS)
+
 class _Routed:
-    "A linear's forward in `faster_products`: its kernels for few rows and for many."
-    def __init__(self, linear, few, many, loop):  # loop: a compiled row by row_dot
-        self.linear, self.few, self.many, self.loop = linear, few, many, loop
-        self.holders = 0
+    "A linear's forward in `faster_products`: the kernel its block chose for its rows."
+    def __init__(self, linear, loop):  # loop: a compiled row by row_dot
+        self.linear, self.loop = linear, loop
+        self.kernels, self.holders = None, 0  # kernels: set by the block that routes
     def __call__(self, x): return self.product(x, self.linear.weight, self.linear.bias)
     def product(self, x:Tensor, weight:Tensor, bias:Tensor|None=None) -> Tensor:
         if torch.is_grad_enabled() or x.dtype != weight.dtype:
@@ -171,8 +177,7 @@ class _Routed:
         if torch.compiler.is_compiling():  # one row: Inductor's loop where it is faster
             return (row_dot(x, weight, bias) if self.loop and rows == 1
                     else F.linear(x, weight, bias))
-        kernel = self.few if rows <= GEMV_ROWS else self.many
-        if kernel == 'onednn' and x.is_contiguous():
+        if self.kernels(rows) == 'onednn' and x.is_contiguous():
             return onednn_linear(x, weight, bias)
         return F.linear(x, weight, bias)
 
@@ -198,14 +203,30 @@ _MEASURED = {}  # (rows, threads, the shapes read, all of `most`) -> 'onednn' | 
 PROBE_PASSES = 7  # passes of each kernel, alternated: BLAS, oneDNN, BLAS, ...
 PROBE_WIN = 0.95  # oneDNN (or the loop) if its best pass is under this of BLAS's best
 
-def _first_weights(linears:list, most:int) -> tuple: # ([weight, ...], their bytes)
-    "The linears' distinct weights, in order, until they hold `most` bytes."
-    weights, seen, total = [], set(), 0
+def _step_weights(model:nn.Module, linears:list) -> list: # [weight, ...], in order
+    "The matrices the linears multiply by, each once: a group `stacked` holds as one."
+    stacks = {id(g[0]): g for g in _groups(model)  # as `project` will multiply them
+              if g[0].__dict__.get('_stacked', 0) and _lie_stacked(g)}
+    later = {id(m) for g in stacks.values() for m in g[1:]}
+    weights, seen = [], set()
     for m in linears:
-        if total >= most: break
         w = m._parameters['weight']  # (nn.Module's attribute lookup costs more)
-        if id(w) not in seen: seen.add(id(w)); weights.append(w); total += w.nbytes
-    return weights, total
+        if id(m) in later or id(w) in seen: continue
+        seen.add(id(w))
+        if id(m) in stacks:  # (rows of the group, d_in): one product
+            width = w.shape[1]
+            w = w.as_strided((sum(l.out_features for l in stacks[id(m)]), width),
+                             (width, 1))
+        weights.append(w)
+    return weights
+
+def _first_weights(weights:list, most:int) -> tuple: # ([weight, ...], their bytes)
+    "The first of `weights`, in order, until they hold `most` bytes."
+    first, total = [], 0
+    for w in weights:
+        if total >= most: break
+        first.append(w); total += w.nbytes
+    return first, total
 
 def _beats_blas(kernel, weights:list, xs:dict, blas_weights:list|None=None) -> bool:
     "Whether `kernel`'s best pass is under PROBE_WIN of the BLAS's best, in turns."
@@ -215,14 +236,17 @@ def _beats_blas(kernel, weights:list, xs:dict, blas_weights:list|None=None) -> b
         times['other'].append(_timed(kernel, weights, xs))
     return min(times['other']) < PROBE_WIN * min(times['blas'])  # each at its best
 
-def _faster(linears:list, rows:int, most:int) -> str: # most: bytes of weights read
-    "The faster kernel for `rows` rows on the linears' first `most` bytes of weights."
-    weights, total = _first_weights(linears, most)
+_log = logging.getLogger("selfattn_nbdev.decoding")  # what a measurement cost, at INFO
+
+def _faster(weights:list, rows:int, most:int) -> str: # most: bytes of weights read
+    "The faster kernel for `rows` rows on the first `most` bytes of `weights`."
+    weights, total = _first_weights(weights, most)
     if not weights: return 'blas'
     shapes = tuple(sorted({tuple(w.shape) for w in weights}))
     key = (rows, torch.get_num_threads(), shapes, total >= most)  # other widths, or
     if key in _MEASURED: return _MEASURED[key]  # a model held in cache: measured again
     seeded = torch.Generator().manual_seed(0)  # the caller's random stream untouched
+    start = time.perf_counter()
     xs = {n: torch.randn(rows, n, generator=seeded) for n in {s[1] for s in shapes}}
     weights = [w.detach() for w in weights]
     try:  # a build without oneDNN, or a kernel that computes another product: BLAS
@@ -233,23 +257,54 @@ def _faster(linears:list, rows:int, most:int) -> str: # most: bytes of weights r
             faster = _beats_blas(onednn_linear, weights, xs)
     except (RuntimeError, AttributeError, NotImplementedError): return 'blas'
     _MEASURED[key] = 'onednn' if faster else 'blas'
+    _log.info(f"rows_kernel: {_MEASURED[key]} for {rows} row(s) at {key[1]} "
+              f"thread(s), measured in {time.perf_counter() - start:.2f} s")
     return _MEASURED[key]
+
+def rows_kernel(
+    model:nn.Module, # its plain float32 CPU linears are what the products read
+    rows:int, # the rows (tokens) of a product: a step's batch, a prompt's b x T
+    linears:list|None=None, # those linears, if found already (None: found here)
+) -> str: # 'onednn' or 'blas' (F.linear): the faster for that many rows, here
+    "Which kernel multiplies `rows` rows by the weights faster here: measured once."
+    if linears is None: linears = _linears(model)
+    probe = row_bucket(rows)
+    # few rows stream the weights: enough bytes to pass the caches; many compute
+    most = 64 * 2**20 if probe <= GEMV_ROWS else 16 * 2**20
+    return _faster(_step_weights(model, linears), probe, most)
 
 def gemv_kernel(
     model:nn.Module, # its plain float32 CPU linears are what a decode step reads
     linears:list|None=None, # those linears, if found already (None: found here)
 ) -> str: # 'onednn' or 'blas' (F.linear): the faster for one row, on this machine
-    "Which kernel multiplies one token by the weights faster here: measured once, kept."
-    if linears is None: linears = _linears(model)
-    return _faster(linears, 1, 64 * 2**20)  # enough bytes to pass through the caches
+    "Which kernel multiplies one token by the weights faster here: `rows_kernel` of 1."
+    return rows_kernel(model, 1, linears)
 
 def gemm_kernel(
     model:nn.Module, # its plain float32 CPU linears are what a prompt's forward reads
     linears:list|None=None, # those linears, if found already (None: found here)
 ) -> str: # 'onednn' or 'blas': the faster for GEMM_PROBE_ROWS rows, on this machine
     "Which kernel multiplies a prompt's tokens by the weights faster: measured once."
-    if linears is None: linears = _linears(model)
-    return _faster(linears, GEMM_PROBE_ROWS, 16 * 2**20)  # arithmetic, not bytes
+    return rows_kernel(model, GEMM_PROBE_ROWS, linears)
+
+class _Kernels:
+    "The kernel of each number of rows in one block: fixed, or measured when first met."
+    def __init__(self, model:nn.Module, linears:list, fixed:str|None=None):
+        self.model, self.linears, self.fixed, self.chosen = model, linears, fixed, {}
+    def __call__(self, rows:int) -> str: # one of KERNELS
+        kernel = self.fixed or self.chosen.get(rows)
+        if kernel is None:  # a number of rows first met in this block
+            kernel = self.chosen[rows] = rows_kernel(self.model, rows, self.linears)
+        return kernel
+
+def _check_rows(rows) -> tuple: # (rows, ...)
+    "An int >= 1, or a non-empty list or tuple of them."
+    many = rows if isinstance(rows, (list, tuple)) else (rows,)
+    if not many or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 1
+                           for r in many):
+        raise ValueError(f"rows must be a number of rows >= 1, or a list of them; "
+                         f"got {rows!r}")
+    return tuple(many)
 
 def _loop_product(x:Tensor, W:Tensor) -> Tensor: # (1, d_in), (k, d_out, d_in)
     # row_dot's sum, written out: a notebook's copy calling another module's function
@@ -258,7 +313,6 @@ def _loop_product(x:Tensor, W:Tensor) -> Tensor: # (1, d_in), (k, d_out, d_in)
 
 _LOOPED = {}  # (threads, k, d_out, d_in) -> 'loop' | 'blas'
 _LOOP_GRAPHS = 64  # the shapes the probe may compile in a process
-_log = logging.getLogger("selfattn_nbdev.decoding")  # what a compile cost, at INFO
 
 def compiled_gemv_kernel(
     model:nn.Module, # its plain float32 CPU linears: what a compiled step reads
@@ -266,7 +320,7 @@ def compiled_gemv_kernel(
 ) -> str: # 'loop' (row_dot, compiled by Inductor) or 'blas' (F.linear, from the graph)
     "Which multiplies one token by the weights faster in a compiled step: measured once"
     if linears is None: linears = _linears(model)
-    weights, _ = _first_weights(linears, 64 * 2**20)
+    weights, _ = _first_weights(_step_weights(model, linears), 64 * 2**20)
     if not weights: return 'blas'
     shape = max({w.shape for w in weights},  # the shape that holds the most bytes
                 key=lambda s: sum(w.nbytes for w in weights if w.shape == s))
@@ -299,26 +353,27 @@ def compiled_gemv_kernel(
 @contextmanager
 def faster_products(
     model:nn.Module, # the model whose linears compute by the kernels in the block
-    kernel:str|None=None, # one of KERNELS for all rows; None: measured, few and many
+    kernel:str|None=None, # one of KERNELS for all rows; None: measured, by rows
     compiled:bool=False, # a compiled step traced in the block: row_dot if faster
+    rows=(1, GEMM_PROBE_ROWS), # the rows the block's products will have: measured now
 ):
     "Within the block, the model's plain linears multiply rows by the faster kernel."
     if kernel is not None and kernel not in KERNELS:
         raise ValueError(f"kernel must be None or one of {KERNELS}; got {kernel!r}")
     check_flag(compiled, 'compiled')
     linears = _linears(model)  # found once: every entry of a serving step pays it
-    few, many = ((gemv_kernel(model, linears), gemm_kernel(model, linears))
-                 if kernel is None else (kernel, kernel))
+    kernels = _Kernels(model, linears, kernel)
+    chosen = {kernels(r) for r in _check_rows(rows)}  # before the first product
     loop = compiled and compiled_gemv_kernel(model, linears) == 'loop'
     routed = []
-    if (few, many, loop) != ('blas', 'blas', False):
+    if chosen != {'blas'} or loop:
         with _holding:  # counted: a linear another block holds stays routed for it
             for m in linears:
                 if not isinstance(m.__dict__.get('forward'), _Routed):
                     # one object per choice: what a compiled step guards on
                     kept = m.__dict__.setdefault('_routed', {})
-                    m.forward = kept.setdefault((few, many, loop),
-                                                _Routed(m, few, many, loop))
+                    m.forward = kept.setdefault(loop, _Routed(m, loop))
+                    m.forward.kernels = kernels  # this block's, for every row count
                 m.forward.holders += 1; routed.append(m)
     try: yield model
     finally:
@@ -583,7 +638,8 @@ def generate_stream(
         was_training = model.training
         model.eval()  # no dropout while writing; the caller's mode comes back after
         try:  # q, k, v (and a gate and up) in one product each while it writes
-            with stacked(model), faster_products(model, compiled=inductor):
+            rows = (len(token_ids), token_ids.numel())  # a step's, the prompt's
+            with stacked(model), faster_products(model, compiled=inductor, rows=rows):
                 yield from _decode(model, token_ids, max_new_tokens, caches, step,
                                    sample, stops, pad_id, fresh)
         finally: model.train(was_training)

@@ -113,7 +113,8 @@ class Engine:
 
     def _forward(self, rows:list, new:list) -> Tensor: # each row's last logits (b, V)
         for cache in self.caches: cache.rows = rows
-        with faster_products(self.model):  # each product by the faster kernel (Batches)
+        tokens = len(new) * len(new[0])  # the step's rows: their kernel (Batches)
+        with faster_products(self.model, rows=tokens):
             logits = self.model(torch.tensor(new, device=self.device), self.caches)
         for seq, tokens in zip(rows, new): seq.length += len(tokens)
         return logits[:, -1]

@@ -7,8 +7,8 @@ from torch import nn
 import selfattn_nbdev.decoding as decoding
 from selfattn_nbdev import generate
 from selfattn_nbdev.models import GPT2, Llama
-from selfattn_nbdev.decoding import (GEMV_ROWS, compiled_gemv_kernel, faster_products, gemm_kernel, gemv_kernel,
-                                     onednn_linear, row_dot, stacked)
+from selfattn_nbdev.decoding import (GEMM_PROBE_ROWS, GEMV_ROWS, compiled_gemv_kernel, faster_products, gemm_kernel,
+                                     gemv_kernel, onednn_linear, row_bucket, row_dot, rows_kernel, stacked)
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason='a build without oneDNN')
 
@@ -67,9 +67,9 @@ def test_every_plain_linear_is_routed_in_the_block_and_none_after(build, monkeyp
 
 
 def _choose(monkeypatch, few, many):
-    "gemv_kernel and gemm_kernel answer `few` and `many`, unmeasured."
-    monkeypatch.setattr(decoding, 'gemv_kernel', lambda m, linears=None: few)
-    monkeypatch.setattr(decoding, 'gemm_kernel', lambda m, linears=None: many)
+    "rows_kernel answers `few` up to GEMV_ROWS rows and `many` above, unmeasured."
+    monkeypatch.setattr(decoding, 'rows_kernel',
+                        lambda m, rows, linears=None: few if rows <= GEMV_ROWS else many)
 
 
 @pytest.mark.parametrize('few, many', [('onednn', 'blas'), ('blas', 'onednn')])
@@ -329,3 +329,66 @@ def test_generate_asks_for_row_dot_only_when_inductor_compiles_the_step(compile,
     if loops: monkeypatch.setattr(decoding, '_decode_step', lambda model, compile: model)  # no real compile here
     assert torch.equal(generate(model, prompt, 3, compile=compile), generate(model, prompt, 3))
     assert len(told) == loops
+
+
+def test_row_bucket_is_the_power_of_two_at_or_above_at_most_the_prompt_probe():
+    assert [row_bucket(r) for r in (0, 1, 2, 3, 4, 5, 16, 17, 33, 64, 65, 4096)] == \
+        [1, 1, 2, 4, 4, 8, 16, 32, 64, 64, 64, 64]
+    assert row_bucket(10 ** 6) == GEMM_PROBE_ROWS
+
+
+def test_each_product_takes_the_kernel_measured_for_its_own_rows(monkeypatch):
+    """A kernel per bucket of rows: oneDNN measured faster for 4 rows only. The rows told on entry are measured there;
+    a number of rows first met inside is measured at its first product, once for the block."""
+    model, calls, asked = _llama(), _count(monkeypatch), []
+    def measured(m, rows, linears=None):
+        asked.append(rows)
+        return 'onednn' if row_bucket(rows) == 4 else 'blas'
+    monkeypatch.setattr(decoding, 'rows_kernel', measured)
+    with torch.no_grad(), faster_products(model, rows=(1, 4)):
+        assert asked == [1, 4]                                                  # on entry
+        for batch in (1, 3, 4, 8, 3):
+            model(torch.randint(0, 64, (batch, 1)))
+        assert asked == [1, 4, 3, 8]                                            # 3 and 8: when first met
+    linears = sum(type(m) is nn.Linear for m in model.modules())
+    assert calls == [3] * linears + [4] * linears + [3] * linears                # bucket 4: oneDNN
+    calls.clear()
+    with torch.no_grad(), faster_products(model, rows=8):                      # all BLAS: left unrouted
+        assert _routed(model) == 0
+        model(torch.randint(0, 64, (4, 1)))
+    assert calls == []
+
+
+def test_rows_is_checked_by_name():
+    for bad in (0, -1, 2.0, True, [], [1, 'a'], None):
+        with pytest.raises(ValueError, match=r"rows must be a number of rows >= 1, or a list of them; got"):
+            with faster_products(_llama(), rows=bad): pass
+
+
+def test_the_probe_multiplies_by_the_matrices_the_step_multiplies_by(monkeypatch, caplog):
+    """Inside `stacked`, q, k, v are one (d_q + 2 d_kv, d_in) product and gate and up one (2 d_hidden, d_in): the
+    probe times those shapes, not the linears one by one; each measurement is said at INFO, once."""
+    import logging
+    caplog.set_level(logging.INFO, logger='selfattn_nbdev.decoding')
+    model, seen = _llama(), []
+    monkeypatch.setattr(decoding, '_MEASURED', {})
+    monkeypatch.setattr(decoding, '_timed', lambda kernel, weights, xs: seen.append(
+        sorted({tuple(w.shape) for w in weights})) or (0.5 if kernel is decoding.onednn_linear else 1.0))
+    assert rows_kernel(model, 3) == 'onednn'                    # alone: the linears' own shapes
+    alone = seen[-1]
+    with stacked(model):
+        assert rows_kernel(model, 3) == 'onednn'
+    together = seen[-1]
+    # d_model 32, 4 heads of 8 sharing 2 key/value heads, d_hidden 128, a vocabulary of 64 (the head's (64, 32))
+    assert alone == [(16, 32), (32, 32), (32, 128), (64, 32), (128, 32)], alone
+    assert together == [(32, 32), (32, 128), (32 + 2 * 16, 32), (2 * 128, 32)], together
+    said = [r.getMessage() for r in caplog.records if r.name == 'selfattn_nbdev.decoding']
+    assert len(said) == 2 and all(m.startswith('rows_kernel: onednn for 4 row(s) at ') for m in said), said
+
+
+def test_generate_tells_the_block_its_step_rows_and_its_prompt_rows(monkeypatch):
+    "A batch of 3 prompts of 5 tokens: the step's 3 rows and the prompt's 15, measured before the first product."
+    model, asked = _gpt2(), []
+    monkeypatch.setattr(decoding, 'rows_kernel', lambda m, rows, linears=None: asked.append(rows) or 'blas')
+    generate(model, torch.randint(0, 64, (3, 5), generator=torch.Generator().manual_seed(0)), 4)
+    assert asked[:2] == [3, 15] and set(asked) == {3, 15}

@@ -105,7 +105,11 @@ _holding = threading.Lock()  # `stacked` counts its holders under it
 def stacked(model:nn.Module): # the model whose linears are stacked in the block
     "Within the block, each group its modules name in `stacked_linears` is one product."
     with _holding:
-        firsts = [g[0] for g in _groups(model) if stack_weights(*g)]
+        firsts = []
+        for g in _groups(model):
+            if not stack_weights(*g): continue
+            firsts.append(g[0])
+            for m in g: m.__dict__['_stack_group'] = tuple(g)  # what a probe reads
         for first in firsts:  # held by this block (and any other holding it)
             first.__dict__['_stacked'] = first.__dict__.get('_stacked', 0) + 1
     try: yield model
@@ -203,30 +207,24 @@ _MEASURED = {}  # (rows, threads, the shapes read, all of `most`) -> 'onednn' | 
 PROBE_PASSES = 7  # passes of each kernel, alternated: BLAS, oneDNN, BLAS, ...
 PROBE_WIN = 0.95  # oneDNN (or the loop) if its best pass is under this of BLAS's best
 
-def _step_weights(model:nn.Module, linears:list) -> list: # [weight, ...], in order
-    "The matrices the linears multiply by, each once: a group `stacked` holds as one."
-    stacks = {id(g[0]): g for g in _groups(model)  # as `project` will multiply them
-              if g[0].__dict__.get('_stacked', 0) and _lie_stacked(g)}
-    later = {id(m) for g in stacks.values() for m in g[1:]}
-    weights, seen = [], set()
+def _step_weights(
+    linears:list, # in the model's order
+    most:int, # bytes: enough
+) -> tuple: # ([weight, ...], their bytes)
+    "The first matrices the linears multiply by, each once: a group `stacked` as one."
+    weights, seen, total, whole = [], set(), 0, set()  # whole: firsts stacked now
     for m in linears:
-        w = m._parameters['weight']  # (nn.Module's attribute lookup costs more)
-        if id(m) in later or id(w) in seen: continue
-        seen.add(id(w))
-        if id(m) in stacks:  # (rows of the group, d_in): one product
-            width = w.shape[1]
-            w = w.as_strided((sum(l.out_features for l in stacks[id(m)]), width),
-                             (width, 1))
-        weights.append(w)
-    return weights
-
-def _first_weights(weights:list, most:int) -> tuple: # ([weight, ...], their bytes)
-    "The first of `weights`, in order, until they hold `most` bytes."
-    first, total = [], 0
-    for w in weights:
         if total >= most: break
-        first.append(w); total += w.nbytes
-    return first, total
+        w, group = m._parameters['weight'], m.__dict__.get('_stack_group', ())
+        if id(w) in seen or (group and id(group[0]) in whole): continue
+        seen.add(id(w))  # (nn.Module's attribute lookup costs more)
+        if group and group[0] is m and m.__dict__.get('_stacked', 0) and _lie_stacked(
+                group):  # as `project` multiplies them: (rows of the group, d_in)
+            whole.add(id(m))
+            w = w.as_strided((sum(l.out_features for l in group), w.shape[1]),
+                             (w.shape[1], 1))
+        weights.append(w); total += w.nbytes
+    return weights, total
 
 def _beats_blas(kernel, weights:list, xs:dict, blas_weights:list|None=None) -> bool:
     "Whether `kernel`'s best pass is under PROBE_WIN of the BLAS's best, in turns."
@@ -238,9 +236,9 @@ def _beats_blas(kernel, weights:list, xs:dict, blas_weights:list|None=None) -> b
 
 _log = logging.getLogger("selfattn_nbdev.decoding")  # what a measurement cost, at INFO
 
-def _faster(weights:list, rows:int, most:int) -> str: # most: bytes of weights read
-    "The faster kernel for `rows` rows on the first `most` bytes of `weights`."
-    weights, total = _first_weights(weights, most)
+def _faster(linears:list, rows:int, most:int) -> str: # most: bytes of weights read
+    "The faster kernel for `rows` rows on the first `most` bytes the linears hold."
+    weights, total = _step_weights(linears, most)
     if not weights: return 'blas'
     shapes = tuple(sorted({tuple(w.shape) for w in weights}))
     key = (rows, torch.get_num_threads(), shapes, total >= most)  # other widths, or
@@ -271,7 +269,7 @@ def rows_kernel(
     probe = row_bucket(rows)
     # few rows stream the weights: enough bytes to pass the caches; many compute
     most = 64 * 2**20 if probe <= GEMV_ROWS else 16 * 2**20
-    return _faster(_step_weights(model, linears), probe, most)
+    return _faster(linears, probe, most)
 
 def gemv_kernel(
     model:nn.Module, # its plain float32 CPU linears are what a decode step reads
@@ -320,7 +318,7 @@ def compiled_gemv_kernel(
 ) -> str: # 'loop' (row_dot, compiled by Inductor) or 'blas' (F.linear, from the graph)
     "Which multiplies one token by the weights faster in a compiled step: measured once"
     if linears is None: linears = _linears(model)
-    weights, _ = _first_weights(_step_weights(model, linears), 64 * 2**20)
+    weights, _ = _step_weights(linears, 64 * 2**20)
     if not weights: return 'blas'
     shape = max({w.shape for w in weights},  # the shape that holds the most bytes
                 key=lambda s: sum(w.nbytes for w in weights if w.shape == s))

@@ -215,9 +215,10 @@ def _step_weights(
     weights, seen, total, whole = [], set(), 0, set()  # whole: firsts stacked now
     for m in linears:
         if total >= most: break
-        w, group = m._parameters['weight'], m.__dict__.get('_stack_group', ())
+        w = m._parameters['weight']  # (nn.Module's attribute lookup costs more)
+        group = m.__dict__.get('_stack_group', ())  # set by `stacked`
         if id(w) in seen or (group and id(group[0]) in whole): continue
-        seen.add(id(w))  # (nn.Module's attribute lookup costs more)
+        seen.add(id(w))
         if group and group[0] is m and m.__dict__.get('_stacked', 0) and _lie_stacked(
                 group):  # as `project` multiplies them: (rows of the group, d_in)
             whole.add(id(m))

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .core import (_forget_old_main, _limit_name, check_flag, check_range,
-                                 check_token_ids, patch)
+                                 check_size, check_token_ids, patch)
 from .multihead import MultiHeadAttention, _runs_in_rows
 from .generation import (TinyGPT, _check_generation, _decode,
                                        _check_sampling, _draw, _signature_with,
@@ -297,13 +297,12 @@ class _Kernels:
         return kernel
 
 def _check_rows(rows) -> tuple: # (rows, ...)
-    "An int >= 1, or a non-empty list or tuple of them."
-    many = rows if isinstance(rows, (list, tuple)) else (rows,)
-    if not many or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 1
-                           for r in many):
-        raise ValueError(f"rows must be a number of rows >= 1, or a list of them; "
-                         f"got {rows!r}")
-    return tuple(many)
+    "A positive integer, or a non-empty list or tuple of them."
+    if not isinstance(rows, (list, tuple)): check_size(rows, 'rows'); return (rows,)
+    if not rows: raise ValueError("rows must be a positive integer or a non-empty "
+                                  f"list of them; got {rows!r}")
+    for i, r in enumerate(rows): check_size(r, f'rows[{i}]')
+    return tuple(rows)
 
 def _loop_product(x:Tensor, W:Tensor) -> Tensor: # (1, d_in), (k, d_out, d_in)
     # row_dot's sum, written out: a notebook's copy calling another module's function

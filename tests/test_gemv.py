@@ -360,9 +360,11 @@ def test_each_product_takes_the_kernel_measured_for_its_own_rows(monkeypatch):
 
 
 def test_rows_is_checked_by_name():
-    for bad in (0, -1, 2.0, True, [], [1, 'a'], None):
-        with pytest.raises(ValueError, match=r"rows must be a number of rows >= 1, or a list of them; got"):
+    for bad, named in ((0, 'rows'), (-1, 'rows'), (2.0, 'rows'), (True, 'rows'), ([], 'rows'),
+                       ([1, 'a'], r'rows\[1\]'), ((4, 0), r'rows\[1\]'), (None, 'rows')):
+        with pytest.raises(ValueError, match=named + r" must be a positive integer.*; got"):
             with faster_products(_llama(), rows=bad): pass
+    with faster_products(_llama(), rows=[1, 4]), faster_products(_llama(), rows=3): pass   # a list, an int
 
 
 def test_the_probe_multiplies_by_the_matrices_the_step_multiplies_by(monkeypatch, caplog):

@@ -13,7 +13,8 @@ bench/cpu_decode.py (GPT-2 small; a 200 M Llama shape with 16/4 heads), random w
 - `decode`: greedy decoding of a 32-token prompt and 32 new tokens at batch 1, 4 and 16: tokens a second of the decode
   steps (the prompt's step left out) with the kernels chosen by rows (`by rows`) and by the rule before (`before`),
   in turns within each round, each first in half of them; medians of the rounds, the ratio, and whether both wrote
-  the same tokens.
+  the same tokens;
+- `caches`: this machine's cache sizes (Linux's sysfs): where the last level holds 64 MB, the probe reads from it.
 
 Printed and written; nothing is asserted. Nothing else should run on the machine meanwhile.
 """
@@ -27,6 +28,7 @@ sys.path.insert(0, str(ROOT)); sys.path.insert(0, str(ROOT / 'bench'))
 from selfattn_nbdev import decoding  # noqa: E402
 from selfattn_nbdev.decoding import GEMM_PROBE_ROWS, GEMV_ROWS, generate  # noqa: E402
 from bench.benchmark import cpu_model  # noqa: E402
+from cold_ops import caches  # noqa: E402
 from cpu_decode import SHAPES, hf_model, ours_of  # noqa: E402
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -61,8 +63,10 @@ def main():
     parser.add_argument('--rounds', type=int, default=3)
     parser.add_argument('--out', default=str(ROOT / 'bench' / 'row_kernels.json'))
     args = parser.parse_args()
-    result = dict(command='python bench/row_kernels.py', date=datetime.date.today().isoformat(),
-                  torch=torch.__version__, machine=dict(cpu_model=cpu_model(), cpu_count=os.cpu_count()),
+    default = args.out == parser.get_default('out')  # the command as run, less the default
+    result = dict(command='python bench/row_kernels.py' + ('' if default else f' --out {args.out}'),
+                  date=datetime.date.today().isoformat(), torch=torch.__version__,
+                  machine=dict(cpu_model=cpu_model(), cpu_count=os.cpu_count()), caches=caches(),
                   threads='1 and 2', dtype='float32', prompt_tokens=PROMPT, new_tokens=NEW, rounds=args.rounds,
                   shapes={})
     threads_before = torch.get_num_threads()

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from .core import check_size, patch
 from .kernels import _check_document_ids
+from .hf import PASSED_ALONG
 
 # %% ../nbs/18_linear.ipynb #f484f0c9
 from .caches import RecurrentCache  # written below
@@ -85,6 +86,9 @@ def _prepare(q, k, v, g, beta, scale, initial_state, l2norm,
     return q, k, v, g, beta, S
 
 _FLA_HOW = ("cu_seqlens_cpu", "disable_recompute")  # how fla computes, not what
+# and what transformers hands every kernel of a layer (use_cache, position_ids...):
+# fla takes it in **kwargs and reads none of it, so this package reads none either
+_NOT_READ = _FLA_HOW + PASSED_ALONG
 
 def _fla(name:str, # the public function, for messages
          chunked:bool, # a chunk at a time (_chunked), or token by token (_recurrent)
@@ -93,7 +97,7 @@ def _fla(name:str, # the public function, for messages
          options:dict, # fla's other arguments, as given
         ) -> tuple: # o (b, T, h_v, d_v) in v's dtype; final state or None
     "fla v0.5.2's options on the delta rule; with cu_seqlens, each sequence alone."
-    opts = {key: val for key, val in options.items() if key not in _FLA_HOW}
+    opts = {key: val for key, val in options.items() if key not in _NOT_READ}
     if "head_first" in opts:
         raise ValueError(f"{name}: head_first was removed from fla; give q, k, v as "
                          f"(b, T, h, d)")

@@ -194,3 +194,21 @@ def test_package_kernels_inside_kimi_linear(kimi_with_package_kernels, record_di
     real = mask.bool()
     assert record_diff('kimi_linear logits', 'transformers', ours[real], reference[real]) < 1e-5
     assert torch.equal(got, hf_gen) and torch.equal(uncached, got)
+
+
+def test_package_functions_in_qwen35s_own_kernel_slots(monkeypatch, record_diff):
+    """chunk_gated_delta_rule and fused_recurrent_gated_delta_rule put, unwrapped, where transformers' Qwen3.5 calls
+    fla: it hands them what it hands every kernel (use_cache, ...), which fla takes and leaves unread, and so must they.
+    Logits of a padded batch and 12 greedy tokens (prefill by the chunked form, each step by the recurrent one)."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as hf35
+    theirs = tiny('qwen3_5_text')
+    ids, mask = left_padded_batch(128)
+    generate = lambda: theirs.generate(ids, attention_mask=mask, max_new_tokens=12, min_new_tokens=12,
+                                       do_sample=False)
+    with torch.no_grad(): reference, expected = theirs(ids, attention_mask=mask).logits, generate()
+    monkeypatch.setattr(hf35, 'torch_chunk_gated_delta_rule', chunk_gated_delta_rule)
+    monkeypatch.setattr(hf35, 'torch_recurrent_gated_delta_rule', fused_recurrent_gated_delta_rule)
+    with torch.no_grad(): ours, got = theirs(ids, attention_mask=mask, use_cache=True).logits, generate()
+    real = mask.bool()
+    assert record_diff('qwen3_5 logits, package kernels', 'transformers', ours[real], reference[real]) < 1e-5
+    assert torch.equal(got, expected)

@@ -675,7 +675,9 @@ def _check_mods(mask_mod, score_mod, scale, cache) -> None:
                           (score_mod, 'score_mod', '(score, b, h, q_idx, kv_idx)')]:
         if f is not None and not callable(f):
             raise TypeError(f"{name} must be None or a function {form}; "
-                            f"got {type(f).__name__}")
+                            f"got {type(f).__name__}" + (  # FlexAttention's, built:
+                            f" (its predicate: {name}=block_mask.mask_mod)"
+                            if callable(getattr(f, 'mask_mod', None)) else ""))
     if scale is not None: _check_scale(scale)
     if cache is not None and (mask_mod is not None or score_mod is not None):
         raise ValueError("mask_mod and score_mod apply to whole sequences (training, "
@@ -704,6 +706,10 @@ def _masks_part(
     # with RoPE each document starts again at 0; without, positions are not read
     return document_positions(document_ids) if m.rope else None
 
+MultiHeadAttention._their_names.update(  # FlexAttention's arguments, by their names
+    block_mask="mask_mod=block_mask.mask_mod: the kernel builds its own block mask",
+    enable_gqa="nothing: a module with fewer key/value heads (num_kv_heads) shares "
+               "them itself")
 MultiHeadAttention._call_parts['masks'] = (  # _inputs asks it; a model's forward adds
     ('document_ids', 'mask_mod', 'score_mod', '_forward_masks'), _masks_part)  # (below)
 MultiHeadAttention._kernel_choices['masks'] = '_attend_masked'  # a whole sequence

@@ -315,6 +315,11 @@ MultiHeadAttention._call_parts = {}
 # inputs) -> positions or NotImplemented): what a model built of these blocks does
 # once a call with a later page's input (documents)
 MultiHeadAttention._model_parts = {}
+# name: what to give instead, for an argument another library's attention takes
+# (transformers', FlexAttention's): an error names it; later pages add theirs
+MultiHeadAttention._their_names = {
+    'attention_mask': "key_padding_mask=(attention_mask == 0): True marks padding, "
+                      "where transformers' attention_mask marks a real token by 1"}
 
 @patch
 def _inputs(self:MultiHeadAttention,
@@ -337,7 +342,9 @@ def _inputs(self:MultiHeadAttention,
         known = {name for names, _ in self._call_parts.values() for name in names}
         unknown = sorted(set(mask_inputs) - known)
         if unknown: raise TypeError(f"forward() got unexpected keyword arguments: "
-                                    f"{', '.join(unknown)}")
+                                    f"{', '.join(unknown)}" + "".join(
+                                    f"; for {name}, give {self._their_names[name]}"
+                                    for name in unknown if name in self._their_names))
         given = [name for name, value in mask_inputs.items() if value is not None]
         for _, part in self._call_parts.values() if given else ():  # a block passes
             answer = part(self, x, key_padding_mask, cache, mask_inputs)

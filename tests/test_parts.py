@@ -66,6 +66,25 @@ def test_an_option_no_part_takes_is_refused_by_name():
         m(torch.randn(1, 4, 8), document_id=torch.zeros(1, 4, dtype=torch.long))
 
 
+def test_another_librarys_argument_is_refused_with_what_to_give_instead():
+    "transformers' attention_mask (1 = a real token) and FlexAttention's block_mask, enable_gqa and a built BlockMask."
+    from torch.nn.attention.flex_attention import create_block_mask
+    model, ids = _llama(), torch.randint(0, 64, (2, 6))
+    attention_mask = torch.ones(2, 6, dtype=torch.long)
+    attention_mask[0, :2] = 0
+    with pytest.raises(TypeError, match=r"attention_mask, give key_padding_mask=\(attention_mask == 0\)"):
+        model(ids, attention_mask=attention_mask)
+    with torch.no_grad():  # and what it says to give runs: the padded row's real tokens as alone
+        padded = model(ids, key_padding_mask=attention_mask == 0)
+        alone = model(ids[:1, 2:])
+    assert torch.allclose(padded[0, 2:], alone[0], atol=1e-5)
+    with pytest.raises(TypeError, match=r"block_mask, give mask_mod=block_mask.mask_mod.*enable_gqa, give nothing"):
+        model(ids, block_mask=None, enable_gqa=True)
+    built = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 6, 6, device='cpu')
+    with pytest.raises(TypeError, match=r"got BlockMask \(its predicate: mask_mod=block_mask.mask_mod\)"):
+        model(ids, mask_mod=built)
+
+
 def test_the_options_part_sets_gqa_window_rope_before_the_layers_are_built():
     m = MultiHeadAttention(8, 8, 16, num_heads=2, num_kv_heads=1, window=3, rope=True)
     assert (m.num_kv_heads, m.window, m.rope) == (1, 3, True)

@@ -14,9 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .core import check_flag, check_size, patch
+from .core import _switches, check_flag, check_size, patch
 from .causal import causal_allowed
 from .masks import block_mask, call_mask_mod
+from .kernels import _refuse_kernel
 from .multihead import MultiHeadAttention
 # RoPE, and its rescalings below, are written into one module (rope): the attention
 # reads them there, and they still import from here by name
@@ -200,10 +201,12 @@ SINK_BLOCK = 64  # tokens per tile on the sinks' path
 def _attend_sunk(self:LlamaAttention, queries, keys, values, key_padding_mask=None,
                  document_ids=None, allowed=None, # a cache's mask (b | 1, 1, T, S)
                  mask_mod=None, score_mod=None, # the caller's, as for forward
+                 by_sdpa:bool|None=None, # asked for; None: _sinks_by_sdpa's choice
                 ) -> Tensor: # (b, heads, T, head_dim)
     "Sinks after the tiled kernel's L: masked tiles skipped, no (T, keys) scores."
     (b, _, T, hd), kv, S = queries.shape, self.num_kv_heads, keys.shape[2]
-    if self._sinks_by_sdpa(queries, score_mod):  # a GPU: one more key, SDPA's kernels
+    if by_sdpa is None: by_sdpa = self._sinks_by_sdpa(queries, score_mod)
+    if by_sdpa:  # a GPU: one more key, SDPA's kernels
         if allowed is None:
             allowed = self._allowed(T, S, key_padding_mask, b,
                                     document_ids=document_ids, mask_mod=mask_mod)
@@ -293,10 +296,18 @@ def _attend_masked(self:LlamaAttention, queries, keys, values, key_padding_mask=
         parent = super(LlamaAttention, self)  # MultiHeadAttention's
         return parent._attend_masked(queries, keys, values, key_padding_mask,
                                      document_ids, mask_mod, score_mod, _forward_masks)
-    if self._sinks_tiled(queries.shape[2]):
+    T, forced = queries.shape[2], _switches.kernel  # attention_kernel's, if any
+    if forced not in (None, 'sdpa', 'block', 'explicit'):
+        _refuse_kernel(forced, "a sink is one more key in every softmax: 'sdpa' (as "
+                               "a key), 'block' (the tiled kernel's L) or 'explicit'")
+    if forced == 'sdpa' and (score_mod is not None or self.softcap is not None):
+        _refuse_kernel(forced, "SDPA takes no score function (a soft cap is one)")
+    if forced in ('sdpa', 'block') and self.training and self.dropout.p:
+        _refuse_kernel(forced, "the sinks' kernels drop no weights: 'explicit' does")
+    if forced in ('sdpa', 'block') or forced is None and self._sinks_tiled(T):
         return self._attend_sunk(queries, keys, values, key_padding_mask, document_ids,
-                                 mask_mod=mask_mod, score_mod=score_mod)
-    T = queries.shape[2]
+                                 mask_mod=mask_mod, score_mod=score_mod,
+                                 by_sdpa=None if forced is None else forced == 'sdpa')
     allowed = self._allowed(T, T, key_padding_mask, queries.shape[0],
                             document_ids=document_ids, mask_mod=mask_mod,
                             _forward_masks=_forward_masks)

@@ -232,3 +232,33 @@ def test_sinks_by_sdpa_pads_the_head_to_a_multiple_of_eight():
             ~torch.ones(5, 5, dtype=torch.bool).tril(), -math.inf)
         want = softmax_with_sink(scores, sinks) @ v
         assert (sinks_by_sdpa(q, k, v, sinks, None) - want).abs().max() < 1e-12
+
+
+def test_a_kernel_asked_for_is_taken_or_refused_by_name(monkeypatch):
+    """Under attention_kernel, sinks take 'sdpa' (one more key), 'block' (the tiled kernel's L) and 'explicit', each
+    equal to the module's own choice on a padded batch, each counted as taken; every other kernel is refused by name,
+    and so is 'sdpa' with a soft cap (a score function) and 'sdpa' or 'block' under dropout."""
+    from selfattn_nbdev import llama_attention as recent
+    from selfattn_nbdev.kernels import KERNELS, attention_kernel
+    taken = []
+    for name in ('sinks_by_sdpa', 'tiled_attention'):
+        real = getattr(recent, name)
+        monkeypatch.setattr(recent, name, lambda *a, real=real, name=name, **k: taken.append(name) or real(*a, **k))
+    m = module()
+    x = torch.randn(2, T, D, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    pad = torch.zeros(2, T, dtype=torch.bool); pad[0, :7] = True
+    with torch.no_grad():
+        own = m(x, key_padding_mask=pad)
+        for kernel, path in [('sdpa', 'sinks_by_sdpa'), ('block', 'tiled_attention'), ('explicit', None)]:
+            taken.clear()
+            with attention_kernel(kernel): out = m(x, key_padding_mask=pad)
+            assert (out - own)[~pad].abs().max() < 1e-12 and taken == ([path] if path else []), kernel
+        for kernel in set(KERNELS) - {'sdpa', 'block', 'explicit'}:
+            with attention_kernel(kernel), pytest.raises(ValueError, match=f"attention_kernel\\('{kernel}'\\) cannot"):
+                m(x, key_padding_mask=pad)
+        with attention_kernel('sdpa'), pytest.raises(ValueError, match='SDPA takes no score function'):
+            module(softcap=3.0)(x)
+    m.train(); m.dropout.p = 0.1
+    for kernel in ('sdpa', 'block'):
+        with attention_kernel(kernel), pytest.raises(ValueError, match="drop no weights"):
+            m(x)

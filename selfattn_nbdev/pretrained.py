@@ -299,9 +299,12 @@ def _check_described(
         want, have = (tuple(d[name].shape) if name in d else "no such tensor"
                       for d in (expected, got))
         if want != have:  # a tensor left out would be lost: LoRA, say, unmerged
+            adapter = any(part in name for part in ("lora_", "base_layer", "adapter"))
             raise ValueError(f"the config does not describe this model: {name} is "
                              f"{want} in the config's {build.__name__} and {have} in "
-                             f"the model")
+                             f"the model" + ("; an adapter's tensor: merge it into "
+                             "the weights first (peft's merge_and_unload())"
+                             if adapter else ""))
 
 def _ready_folder(
     folder, # where the checkpoint goes

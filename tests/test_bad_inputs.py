@@ -66,6 +66,12 @@ def _llama_of(config: dict):
     return build(**sizes)
 
 
+def _with_lora(model):
+    "An adapter left unmerged, as peft leaves one beside a linear: a tensor no config describes."
+    model.blocks[0].attn.W_query.lora_A = torch.nn.Linear(8, 2, bias=False)
+    return model
+
+
 def _bad_gpt2_state():
     "A GPT-2 state dict in Hugging Face's names whose token table has 3 rows, not 10."
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -350,6 +356,9 @@ CASES = {
     'save_hf no config': (lambda: P.save_hf(GPT, 'unwritten'), ValueError, ['config is None', 'hf_config']),
     'save_hf model': (lambda: P.save_hf(GPT, 'unwritten', dict(LLAMA_CFG, model_type='llama')), TypeError,
                       ['Llama', 'model=TinyGPT']),
+    'save_hf unmerged LoRA': (lambda: P.save_hf(_with_lora(_llama_of(LLAMA_CFG)), 'unwritten',
+                                                 dict(LLAMA_CFG, model_type='llama')), ValueError,
+                              ['lora_A.weight', 'no such tensor', 'merge_and_unload()']),
     'save_hf folder': (lambda: P.save_hf(_llama_of(LLAMA_CFG), 3, dict(LLAMA_CFG, model_type='llama')), TypeError,
                        ['folder', 'int']),
     'save_hf overwrite': (lambda: P.save_hf(_llama_of(LLAMA_CFG), 'unwritten', dict(LLAMA_CFG, model_type='llama'),

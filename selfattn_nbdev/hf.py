@@ -263,9 +263,16 @@ def _check_call(
                          f"along {', '.join(PASSED_ALONG)}")
     T, S = query.shape[2], key.shape[2]
     if attention_mask is not None and tuple(attention_mask.shape[-2:]) != (T, S):
+        spread = all(m in (1, n) for m, n in zip(attention_mask.shape[-2:], (T, S)))
         raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; "
                          f"{name} gives {T} queries and {S} keys: expected "
-                         f"(b | 1, 1 | heads, {T}, {S})")
+                         f"(b | 1, 1 | heads, {T}, {S})" + (
+                         "; transformers sized this mask for other keys than this "
+                         "layer's (a model with layers of two kinds can size it by the "
+                         "other kind's cache). Its eager attention would add it to "
+                         "every key's score, padding included; this route refuses "
+                         "instead: give rows without padding (one prompt at a time)"
+                         if spread else ""))
 
 
 # %% ../nbs/17_transformers.ipynb #7ee01570

@@ -135,3 +135,24 @@ def test_the_mask_is_sdpas_with_the_findings_beside_it():
     torch.testing.assert_close(carried, alone, rtol=0, atol=1e-6)
     assert carried[1, :5].abs().max() == 0                                # padded queries: zeros
     assert hf_mask(2, 12, 12) is None                                     # causal, no padding: SDPA's flag
+
+
+@pytest.mark.parametrize('how', ['beams', 'assisted', 'prompt lookup'])
+def test_beam_search_and_speculative_decoding(how):
+    """Beam search on the padded batch; speculative decoding, by a one-block draft model (routed too) or by n-grams of
+    the prompt, on its unpadded first row (transformers' assisted decoding takes one row): eager's 16 tokens."""
+    model, (ids, attention_mask) = tiny('llama'), padded_batch()
+    if how != 'beams': ids, attention_mask = ids[:1], attention_mask[:1]
+    options = {'beams': dict(num_beams=3), 'prompt lookup': dict(prompt_lookup_num_tokens=3)}.get(how, {})
+    if how == 'assisted':
+        torch.manual_seed(1)
+        options['assistant_model'] = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+            'llama', **{**COMMON, **FAMILIES['llama'], 'num_hidden_layers': 1})).float().eval()
+    out = []
+    for name in ('eager', 'selfattn_nbdev'):
+        model.set_attn_implementation(name)
+        if how == 'assisted': options['assistant_model'].set_attn_implementation(name)
+        with torch.no_grad():
+            out.append(model.generate(ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=16,
+                                      min_new_tokens=16, **options))
+    assert torch.equal(*out)

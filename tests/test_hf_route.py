@@ -174,6 +174,11 @@ def test_what_is_refused_names_the_argument():
         hf_attention(decoder, q, q, q, [mask])
     with pytest.raises(ValueError, match=r"has shape \(1, 1, 4, 4\); LlamaAttention gives 4 queries and 5 keys"):
         hf_attention(decoder, q, torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), mask)
+    one = q[:, :, -1:]  # a decode step given a mask sized for other keys (MiniMax's, by its linear layers' cache)
+    with pytest.raises(ValueError, match=r"\(2, 1, 1, 1\); LlamaAttention gives 1 queries and 4 keys.*other kind's "
+                                         r"cache.*padding included.*without padding"):
+        hf_attention(decoder, one.expand(2, -1, -1, -1), q.expand(2, -1, -1, -1), q.expand(2, -1, -1, -1),
+                     torch.zeros(2, 1, 1, 1))
     with pytest.raises(ValueError, match='is_causal=False'):
         hf_attention(decoder, q, q, q, mask, is_causal=False)
     for given in (mask, None):                                  # None: causal, SDPA's flag

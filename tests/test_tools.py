@@ -202,3 +202,18 @@ def test_the_walk_lets_through_only_hosts_that_answer(tmp_path):
         assert seen == {('127.0.0.1', server.server_address[1]): True, ('127.0.0.1', port): False,
                         ('no-such-host.invalid', 443): False}
     finally: server.shutdown()
+
+
+def test_each_indented_line_of_code_carries_its_indent(tmp_path):
+    "tools/docs.py marks Quarto's line spans with --indent (at most INDENT_MOST) for the phone's hanging indent."
+    from tools.docs import INDENT_MOST, hanging_indents
+    line = lambda n, spaces, text: (f'<span id="cb1-{n}"><a href="#cb1-{n}" aria-hidden="true" tabindex="-1"></a>'
+                                    f'{" " * spaces}{text}</span>')
+    page = tmp_path / 'p.html'
+    page.write_text('<pre class="sourceCode"><code class="sourceCode python">' + '\n'.join(
+        [line(1, 0, 'def f(x):'), line(2, 4, 'return g(x,'), line(3, 40, 'y)')]) + '</code></pre>')
+    assert hanging_indents(tmp_path) == '2 indented code lines marked'
+    html = page.read_text()
+    assert '<span id="cb1-1"><a' in html                                    # no indent: no mark
+    assert '<span id="cb1-2" style="--indent:4ch"><a' in html and '</a>    return' in html   # the text as it was
+    assert f'<span id="cb1-3" style="--indent:{INDENT_MOST}ch"><a' in html

@@ -245,6 +245,26 @@ def drop_widget_loaders(site_dir: Path) -> str:
     return f'widget loaders dropped from {n} pages' if n else 'no widget loaders'
 
 
+INDENT_MOST = 20  # columns: a continuation starts at most 24 columns in, about half a phone's width
+CODE_LINE = re.compile(r'(<span id="cb\d+-\d+")(><a href="#cb\d+-\d+" aria-hidden="true" tabindex="-1"></a>)( +)')
+
+
+def hanging_indents(site_dir: Path) -> str:
+    """Give each indented line of code its indent as `--indent` (Quarto writes a span per line), for styles.css.
+
+    On a phone a long line of code wraps, and a continuation that started at the left edge would read as a new
+    statement at the top level; styles.css starts it 4 columns past the line's own indent instead, which it can
+    only do knowing that indent. An indent past INDENT_MOST counts as INDENT_MOST: a line aligned under an open
+    bracket far to the right would leave its continuation no room on a phone's 45 columns. smalldocs writes no
+    span per line: there the wrapped lines start at the edge."""
+    n = 0
+    for page in site_dir.rglob('*.html'):
+        text, k = CODE_LINE.subn(lambda m: f'{m.group(1)} style="--indent:{min(len(m.group(3)), INDENT_MOST)}ch"'
+                                           f'{m.group(2)}{m.group(3)}', page.read_text())
+        if k: page.write_text(text); n += k
+    return f'{n} indented code lines marked' if n else 'no code lines marked'
+
+
 def render(proc: Path) -> str:
     "Render the processed notebooks into `_docs/`; return the renderer's name."
     cfg = get_config()
@@ -257,7 +277,7 @@ def render(proc: Path) -> str:
         smalldocs_names(proc)
         subprocess.run([sys.executable, '-m', 'smalldocs.cli', 'render', str(proc)], check=True)
         renderer = 'smalldocs'
-    renderer += f' ({vendor_katex(out)}; {local_links(out)}; {drop_widget_loaders(out)}; {copy_notebooks(out)}; {clean_search_index(out)})'
+    renderer += f' ({vendor_katex(out)}; {local_links(out)}; {drop_widget_loaders(out)}; {hanging_indents(out)}; {copy_notebooks(out)}; {clean_search_index(out)})'
     shutil.rmtree(cfg.doc_path, ignore_errors=True)
     shutil.move(str(out), str(cfg.doc_path))
     return renderer

@@ -228,6 +228,13 @@ PAGE_FACTS = """(VIEWPORT) => {
   const codeScrolls = boxes.filter(e => !e.closest('.cell-output, .cell-output-stdout, .cell-output-stderr, .cell-output-display')
                                     && e.scrollWidth > e.clientWidth + 1)
     .map(e => `${e.scrollWidth}>${e.clientWidth}px: ${e.innerText.split('\\n').sort((a, b) => b.length - a.length)[0].slice(0, 50)}`);
+  // Code lines (Quarto's span a line) whose wrapped part would start at the left edge on a phone: an indented line
+  // that tools/docs.py did not mark with its --indent, or a line that styles.css gives no hanging indent.
+  const unhung = [...document.querySelectorAll('main pre.sourceCode > code.sourceCode > span[id^="cb"]')]
+    .filter(s => !s.closest('.cell-output, .cell-output-stdout, .cell-output-stderr, .cell-output-display'))
+    .filter(s => (/^ /.test(s.textContent) && !s.style.getPropertyValue('--indent'))
+                 || (window.innerWidth < 576 && getComputedStyle(s).paddingLeft === '0px'))
+    .slice(0, 3).map(s => s.textContent.slice(0, 40));
   const pageNav = document.querySelectorAll('nav.page-navigation a[href]').length;
   // Display equations wider than their box: on a desktop they must fit (or break into aligned lines).
   const wideMath = [...document.querySelectorAll('.katex-display, mjx-container[display]')]
@@ -246,7 +253,7 @@ PAGE_FACTS = """(VIEWPORT) => {
     .filter(th => breaksWords(th) || [...th.querySelectorAll('*')].some(breaksWords)).map(th => th.textContent.trim().slice(0, 30));
   return {links, images, ids, math, rawMath, sidebar, scrollWidth: document.documentElement.scrollWidth,
           height: document.documentElement.scrollHeight,
-          innerWidth: window.innerWidth, title: document.title, cutOff, clipped, codeScrolls, widest, pageNav, wideMath, twice, mathSource, brokenHeaders};
+          innerWidth: window.innerWidth, title: document.title, cutOff, clipped, codeScrolls, unhung, widest, pageNav, wideMath, twice, mathSource, brokenHeaders};
 }"""
 
 
@@ -554,6 +561,8 @@ def walk(site: Path, chromium: str, max_height: int = MAX_HEIGHT, only: list[str
                 rep.check(not f['cutOff'], f'{where}: nothing wider than {width} px outside a scroll box (found {f["cutOff"]})')
                 rep.check(not f['codeScrolls'], f'{where}: every code block wraps, its comments on the screen '
                                                 f'({len(f["codeScrolls"])} scroll: {f["codeScrolls"][:2]})')
+                rep.check(not f['unhung'], f'{where}: a wrapped line of code goes on past its own indent '
+                                           f'(not so: {f["unhung"]})')
                 check_figure_text(page, name, where, site, base, rep, figure_text)
                 t = page.evaluate(API_TABLES)
                 rep.count('API tables', t['tables'])

@@ -256,3 +256,41 @@ def test_tensor_parallel_refuses_sinks_it_would_not_split():
     with pytest.raises(ValueError, match='not a sink logit per head: sinks=True is not supported'):
         check_tp_degree(LlamaAttention(16, 8, num_heads=4, num_kv_heads=2, sinks=True), 2)
     check_tp_degree(LlamaAttention(16, 8, num_heads=4, num_kv_heads=2, softcap=5.0), 2)   # the cap splits with the heads
+
+
+def test_torchs_activation_checkpointing_wraps_the_models_blocks(tmp_path):
+    """PyTorch's apply_activation_checkpointing (what torchtune applies before fully_shard) on a Llama's blocks: the
+    state dict keeps its names, padded and packed training steps give the plain model's loss and gradients, generate
+    writes its tokens, and the peak memory of a step (the profiler's timeline) is less than half the plain model's."""
+    import copy, json, warnings
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+    from torch.profiler import ProfilerActivity, profile
+    from selfattn_nbdev.decoding import generate
+    from selfattn_nbdev.masks import sliding_window
+    from selfattn_nbdev.models import Llama
+    torch.manual_seed(0)
+    plain = Llama(vocab_size=256, context_length=256, d_model=64, num_heads=4, num_kv_heads=2, num_layers=6)
+    wrapped = copy.deepcopy(plain)
+    apply_activation_checkpointing(wrapped, check_fn=lambda m: isinstance(m, type(plain.blocks[0])))
+    assert type(wrapped.blocks[0]).__name__ == 'CheckpointWrapper' and list(wrapped.state_dict()) == list(plain.state_dict())
+    ids = torch.randint(0, 256, (2, 256))
+    padding = torch.zeros(2, 256, dtype=torch.bool); padding[0, :40] = True
+    documents = (torch.arange(256) >= 100).long().expand(2, -1)
+    def step(model, **inputs):
+        model.zero_grad(set_to_none=True)
+        loss = model(ids, **inputs)[~padding].logsumexp(-1).mean()
+        loss.backward()
+        return loss.item(), [p.grad for p in model.parameters()]
+    for inputs in ({}, dict(key_padding_mask=padding), dict(document_ids=documents), dict(mask_mod=sliding_window(8))):
+        (a, grads), (b, their) = step(plain, **inputs), step(wrapped, **inputs)
+        assert abs(a - b) < 1e-6 and max((g - h).abs().max().item() for g, h in zip(grads, their)) < 1e-6, inputs
+    def peak(model) -> float:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as p:
+            step(model)
+        with warnings.catch_warnings():  # deprecated for CUDA's snapshots; a CPU has no other timeline
+            warnings.simplefilter('ignore', FutureWarning)
+            p.export_memory_timeline(str(tmp_path / 'timeline.json'), 'cpu')
+        return max(map(sum, json.loads((tmp_path / 'timeline.json').read_text())[1]))
+    assert peak(wrapped) < peak(plain) / 2
+    plain.eval(); wrapped.eval()
+    assert torch.equal(generate(wrapped, ids[:1, :20], 8), generate(plain, ids[:1, :20], 8))

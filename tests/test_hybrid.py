@@ -308,6 +308,35 @@ def test_qwen35_greedy_tokens_equal_transformers_cached_and_uncached(qwen35_pair
     assert [row.tolist() for row in cached] == [row.tolist() for row in uncached]
 
 
+def test_the_language_model_of_an_image_and_text_checkpoint_and_one_with_mtp(qwen35_pair, tmp_path, record_diff):
+    """Qwen3.5 as the hub holds it: an image-and-text checkpoint (qwen3_5: the language model under
+    model.language_model., a vision tower beside it) loads its language model, equal to transformers'
+    AutoModelForCausalLM on the same folder; a text checkpoint with a multi-token-prediction head (mtp.) loads as
+    without it; save_hf writes the language model back as a text checkpoint that transformers reads."""
+    from transformers import AutoModelForImageTextToText
+    from selfattn_nbdev.pretrained import read_checkpoint, save_hf
+    vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64, patch_size=4,
+                  temporal_patch_size=2, spatial_merge_size=2)
+    text = {k: v for k, v in qwen35_text_config().to_dict().items() if k not in ('architectures', 'model_type')}
+    torch.manual_seed(0)
+    both = perturb(AutoModelForImageTextToText.from_config(AutoConfig.for_model(
+        'qwen3_5', text_config=text, vision_config=vision), dtype=torch.float32), 0.05).eval()
+    both.save_pretrained(tmp_path / 'both')
+    theirs, ours = AutoModelForCausalLM.from_pretrained(tmp_path / 'both').eval(), from_hf(tmp_path / 'both')
+    assert type(ours) is Qwen35 and ours.hf_config['model_type'] == 'qwen3_5_text'
+    ids, mask = left_padded_batch(128)
+    with torch.no_grad():
+        want = theirs(ids[1:]).logits
+        assert record_diff('qwen3_5 (image and text) logits', 'transformers', ours(ids[1:]), want) < 1e-5
+    save_hf(ours, tmp_path / 'back')
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / 'back').eval()
+    with torch.no_grad(): assert (again(ids[1:]).logits - want).abs().max() < 1e-5
+    _, small, _ = qwen35_pair
+    tensors, config = read_checkpoint(qwen35_pair[2])
+    with_mtp = from_hf(tensors | {'mtp.fc.weight': torch.zeros(64, 128)}, config)
+    with torch.no_grad(): assert torch.equal(with_mtp(ids[1:]), small(ids[1:]))
+
+
 # --- the package's blocks inside transformers ---------------------------------------------------------------------------
 
 def test_gated_delta_net_inside_transformers_qwen3_5_moe(record_diff):

@@ -19,7 +19,7 @@ from .llama_attention import (LlamaAttention, _turn_first, layer_windows,
                                             soft_cap)
 from .models import HF_DEFAULTS, _refuse, _rope_of, hf_settings
 from .gemma import Gemma, GemmaBlock
-from .pretrained import FAMILIES
+from .pretrained import CHECKPOINT_FORMS, FAMILIES
 
 # %% ../nbs/27_gemma4.ipynb #15aa7f58
 from .caches import KVSource, SharedKV  # written below
@@ -338,3 +338,5 @@ def gemma4_weight_map(
 FAMILIES["gemma4_text"] = (Gemma4, gemma4_config, "model.", lambda s: gemma4_weight_map(
     kv_sources(s["layer_types"], s["num_kv_shared_layers"]), s["per_layer_dim"] > 0,
     s["tie_embeddings"]))
+# the checkpoint for images, audio and text (gemma4): its language model alone
+CHECKPOINT_FORMS["gemma4"] = ("gemma4_text", "model.language_model.")

@@ -103,7 +103,8 @@ def test_the_choice_left_to_itself_equals_the_explicit_path(name):
 
 
 def test_sinks_take_the_callers_mask_and_scores():
-    "Sinks go through the tiled kernel and its L whatever the kernel asked; with a caller's functions too."
+    """Sinks go through the tiled kernel and its L ('block'), with a caller's functions too, equal to the explicit path;
+    a kernel asked for that has no place for one more logit ('dense') is refused by name, not passed over."""
     torch.manual_seed(0)
     m = LlamaAttention(D, T, H, KV, sinks=True, softcap=5.0).double()
     with torch.no_grad(): m.sinks.copy_(torch.tensor([-1.0, 0.0, 1.0, 3.0]))
@@ -113,8 +114,10 @@ def test_sinks_take_the_callers_mask_and_scores():
             went = []
             real = LlamaAttention._attend_sunk
             mp.setattr(LlamaAttention, '_attend_sunk', lambda self, *a, **k: went.append(1) or real(self, *a, **k))
-            ours = run(m, kw, 'dense')
+            ours = run(m, kw, 'block')
         assert went, name
+        with pytest.raises(ValueError, match=r"attention_kernel\('dense'\) cannot take this call: a sink"):
+            run(m, kw, 'dense')
         ref = run(m, kw, None)
         assert max((a - b).abs().max().item() for a, b in zip(ours, ref)) < 1e-12, name
 

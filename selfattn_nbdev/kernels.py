@@ -709,7 +709,9 @@ def _masks_part(
 MultiHeadAttention._their_names.update(  # FlexAttention's arguments, by their names
     block_mask="mask_mod=block_mask.mask_mod: the kernel builds its own block mask",
     enable_gqa="nothing: a module with fewer key/value heads (num_kv_heads) shares "
-               "them itself")
+               "them itself",
+    return_lse="nothing: forward returns the context alone, and tiled_attention(q, "
+               "k, v, return_lse=True) returns L beside it")
 MultiHeadAttention._call_parts['masks'] = (  # _inputs asks it; a model's forward adds
     ('document_ids', 'mask_mod', 'score_mod', '_forward_masks'), _masks_part)  # (below)
 MultiHeadAttention._kernel_choices['masks'] = '_attend_masked'  # a whole sequence

@@ -78,8 +78,9 @@ def test_another_librarys_argument_is_refused_with_what_to_give_instead():
         padded = model(ids, key_padding_mask=attention_mask == 0)
         alone = model(ids[:1, 2:])
     assert torch.allclose(padded[0, 2:], alone[0], atol=1e-5)
-    with pytest.raises(TypeError, match=r"block_mask, give mask_mod=block_mask.mask_mod.*enable_gqa, give nothing"):
-        model(ids, block_mask=None, enable_gqa=True)
+    with pytest.raises(TypeError, match=r"block_mask, give mask_mod=block_mask.mask_mod.*enable_gqa, give nothing"
+                                        r".*return_lse, give nothing: forward returns the context alone"):
+        model(ids, block_mask=None, enable_gqa=True, return_lse=True)
     built = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 6, 6, device='cpu')
     with pytest.raises(TypeError, match=r"got BlockMask \(its predicate: mask_mod=block_mask.mask_mod\)"):
         model(ids, mask_mod=built)

@@ -211,9 +211,11 @@ def test_each_indented_line_of_code_carries_its_indent(tmp_path):
                                     f'{" " * spaces}{text}</span>')
     page = tmp_path / 'p.html'
     page.write_text('<pre class="sourceCode"><code class="sourceCode python">' + '\n'.join(
-        [line(1, 0, 'def f(x):'), line(2, 4, 'return g(x,'), line(3, 40, 'y)')]) + '</code></pre>')
-    assert hanging_indents(tmp_path) == '2 indented code lines marked'
+        [line(1, 0, 'def f(x):'), line(2, 4, 'return g(x,'), line(3, 40, 'y)'),
+         line(4, 0, '<span class="co">    a docstring\'s second line')]) + '</code></pre>')
+    assert hanging_indents(tmp_path) == '3 indented code lines marked'
     html = page.read_text()
     assert '<span id="cb1-1"><a' in html                                    # no indent: no mark
     assert '<span id="cb1-2" style="--indent:4ch"><a' in html and '</a>    return' in html   # the text as it was
     assert f'<span id="cb1-3" style="--indent:{INDENT_MOST}ch"><a' in html
+    assert '<span id="cb1-4" style="--indent:4ch"><a' in html       # its spaces inside the string's span

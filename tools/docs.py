@@ -246,7 +246,8 @@ def drop_widget_loaders(site_dir: Path) -> str:
 
 
 INDENT_MOST = 20  # columns: a continuation starts at most 24 columns in, about half a phone's width
-CODE_LINE = re.compile(r'(<span id="cb\d+-\d+")(><a href="#cb\d+-\d+" aria-hidden="true" tabindex="-1"></a>)( +)')
+CODE_LINE = re.compile(r'(<span id="cb\d+-\d+")(><a href="#cb\d+-\d+" aria-hidden="true" tabindex="-1"></a>'
+                       r'(?:<span class="\w+">)*)( +)')  # the spaces may open a string's or a comment's span
 
 
 def hanging_indents(site_dir: Path) -> str:

@@ -41,7 +41,8 @@ def test_the_hf_extra_is_safetensors_alone():
 def test_the_pages_extra_is_what_the_pages_import_beside_the_package():
     """`pip install ".[pages]"` gives a reader what the pages' code imports that is neither torch, the standard library
     nor the package: matplotlib for the pictures, fastcore for the checks, transformers for the models compared. Every
-    such import of a page is in it, or comes with it (numpy, huggingface_hub, safetensors), or with Jupyter (IPython)."""
+    such import of a page is in it, or comes with it (numpy, huggingface_hub, safetensors, tokenizers), or with Jupyter
+    (IPython)."""
     import ast, json
     extra = {re.split(r'[<>=!]', r)[0] for r in settings()['pages_requirements'].split()}
     assert extra == {'matplotlib', 'fastcore', 'transformers'} and "'pages': pages_requirements" in (ROOT / 'setup.py').read_text()
@@ -57,7 +58,7 @@ def test_the_pages_extra_is_what_the_pages_import_beside_the_package():
                 if isinstance(node, ast.Import): imported |= {a.name.split('.')[0] for a in node.names}
                 elif isinstance(node, ast.ImportFrom) and node.level == 0: imported.add(node.module.split('.')[0])
     outside = imported - {'torch', 'selfattn_nbdev', *sys.stdlib_module_names}
-    assert outside - extra <= {'numpy', 'huggingface_hub', 'safetensors', 'IPython'}, outside - extra
+    assert outside - extra <= {'numpy', 'huggingface_hub', 'safetensors', 'tokenizers', 'IPython'}, outside - extra
 
 
 def test_modules_import_nothing_but_torch_and_stdlib():

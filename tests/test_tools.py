@@ -219,3 +219,19 @@ def test_each_indented_line_of_code_carries_its_indent(tmp_path):
     assert '<span id="cb1-2" style="--indent:4ch"><a' in html and '</a>    return' in html   # the text as it was
     assert f'<span id="cb1-3" style="--indent:{INDENT_MOST}ch"><a' in html
     assert '<span id="cb1-4" style="--indent:4ch"><a' in html       # its spaces inside the string's span
+
+
+def test_a_long_name_in_code_breaks_after_a_dot_or_an_underscore(tmp_path):
+    "tools/docs.py puts <wbr> after . and _ inside names of code (not in numbers, tags, or outputs); the text is as written."
+    from tools.docs import name_breaks
+    page = tmp_path / 'p.html'
+    code = ('<span id="cb1-1"><a href="#cb1-1"></a>x <span class="op">=</span> transformers.models.qwen3_5'
+            '.use_cache(<span class="fl">0.05</span>, a_b)</span>')
+    page.write_text(f'<pre class="sourceCode"><code class="sourceCode python">{code}</code></pre>'
+                    '<pre><code>an.output_line</code></pre>')
+    assert name_breaks(tmp_path) == '5 breaks in names of code'
+    html = page.read_text()
+    assert 'transformers.<wbr>models.<wbr>qwen3_<wbr>5' not in html and 'qwen3_5.<wbr>use_<wbr>cache' in html
+    assert 'transformers.<wbr>models.<wbr>qwen3_5' in html and 'a_<wbr>b' in html
+    assert '0.05' in html and 'an.output_line' in html and '<a href="#cb1-1"></a>' in html
+    assert re.sub(r'<[^>]+>', '', html) == re.sub(r'<[^>]+>', '', code) + 'an.output_line'

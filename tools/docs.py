@@ -266,6 +266,31 @@ def hanging_indents(site_dir: Path) -> str:
     return f'{n} indented code lines marked' if n else 'no code lines marked'
 
 
+SOURCE_CODE = re.compile(r'(<code class="sourceCode[^"]*">)(.*?)(</code>)', re.S)
+NAME_JOINT = re.compile(r'(?<=[A-Za-z0-9_])([._])(?=[A-Za-z_])')  # x.shape, use_cache: not 0.05
+
+
+def name_breaks(site_dir: Path) -> str:
+    """Let a long dotted or snake_case name in code break after a `.` or `_` (`<wbr>`), not inside a word.
+
+    On a phone, styles.css wraps code; a name wider than the line (`transformers.models.qwen3_5.modeling_qwen3_5`)
+    would otherwise break wherever the line ends, mid-word. `<wbr>` adds no character: what the copy button copies is
+    the code as written. Only code (Quarto's `sourceCode`), never outputs, and never inside a tag."""
+    n = 0
+    def mark(m):
+        nonlocal n
+        parts = re.split(r'(<[^>]+>)', m.group(2))  # text and tags in turn: the tags kept whole
+        for i in range(0, len(parts), 2):
+            parts[i], k = NAME_JOINT.subn(r'\1<wbr>', parts[i])
+            n += k
+        return m.group(1) + ''.join(parts) + m.group(3)
+    for page in site_dir.rglob('*.html'):
+        text = page.read_text()
+        new = SOURCE_CODE.sub(mark, text)
+        if new != text: page.write_text(new)
+    return f'{n} breaks in names of code' if n else 'no breaks in names of code'
+
+
 def render(proc: Path) -> str:
     "Render the processed notebooks into `_docs/`; return the renderer's name."
     cfg = get_config()
@@ -278,7 +303,7 @@ def render(proc: Path) -> str:
         smalldocs_names(proc)
         subprocess.run([sys.executable, '-m', 'smalldocs.cli', 'render', str(proc)], check=True)
         renderer = 'smalldocs'
-    renderer += f' ({vendor_katex(out)}; {local_links(out)}; {drop_widget_loaders(out)}; {hanging_indents(out)}; {copy_notebooks(out)}; {clean_search_index(out)})'
+    renderer += f' ({vendor_katex(out)}; {local_links(out)}; {drop_widget_loaders(out)}; {hanging_indents(out)}; {name_breaks(out)}; {copy_notebooks(out)}; {clean_search_index(out)})'
     shutil.rmtree(cfg.doc_path, ignore_errors=True)
     shutil.move(str(out), str(cfg.doc_path))
     return renderer

@@ -339,4 +339,4 @@ FAMILIES["gemma4_text"] = (Gemma4, gemma4_config, "model.", lambda s: gemma4_wei
     kv_sources(s["layer_types"], s["num_kv_shared_layers"]), s["per_layer_dim"] > 0,
     s["tie_embeddings"]))
 # the checkpoint for images, audio and text (gemma4): its language model alone
-CHECKPOINT_FORMS["gemma4"] = ("gemma4_text", "model.language_model.")
+CHECKPOINT_FORMS["gemma4"] = ("gemma4_text", "model.language_model.", ())

@@ -320,5 +320,5 @@ FAMILIES["qwen3_5_text"] = (Qwen35, qwen35_config, "model.", lambda s:
     qwen35_weight_map(s["layer_types"], s["tie_embeddings"], s["attention_bias"]))
 # Qwen's checkpoints hold more: a head that predicts several tokens (mtp.), and in
 # the image-and-text ones (qwen3_5) a vision tower, the language model under a prefix
-CHECKPOINT_FORMS["qwen3_5_text"] = ("qwen3_5_text", "model.")
-CHECKPOINT_FORMS["qwen3_5"] = ("qwen3_5_text", "model.language_model.")
+CHECKPOINT_FORMS["qwen3_5_text"] = ("qwen3_5_text", "model.", ("mtp.",))
+CHECKPOINT_FORMS["qwen3_5"] = ("qwen3_5_text", "model.language_model.", ())

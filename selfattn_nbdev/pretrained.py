@@ -166,14 +166,15 @@ FAMILIES = {  # model_type: its model, the config's reader, prefix, weight map
 # a later page's family (hybrid, smollm3) adds its line here as its module is
 # imported, and importing the package imports every module
 
-# model_type: (the family of its language model, the prefix(es) of that model's
-# names where the family reads "model."): here Gemma 3's image-and-text checkpoints,
-# in the layout they were published in and in the one transformers 5 also reads; a
-# later page adds its own. Such a checkpoint's other tensors belong to parts no
-# model here has (a vision or audio tower, a head that predicts several tokens) and
-# are left unread, as transformers' causal LM leaves them
+# model_type: (the family of its language model; the prefix(es) of that model's
+# names in an image-and-text checkpoint, read where the family reads "model."; the
+# prefixes of a text checkpoint's tensors that no model here uses, such as a head
+# that predicts several tokens). Of an image-and-text checkpoint (its config has a
+# text_config) only the language model is read: the towers beside it are left
+# unread, as transformers' causal LM leaves them. Here Gemma 3's, in the layout it
+# was published in and in the one transformers 5 also reads; a later page adds its own
 CHECKPOINT_FORMS = {"gemma3": ("gemma3_text", ("language_model.model.",
-                                               "model.language_model."))}
+                                               "model.language_model."), ())}
 
 def _language_model(
     config:dict, # config.json's contents
@@ -183,14 +184,16 @@ def _language_model(
     "An image-and-text checkpoint's language model, or a text one without its extras."
     if not isinstance(config, dict) or config.get("model_type") not in CHECKPOINT_FORMS:
         return config, state_dict, files  # (a config of the wrong type: _family says)
-    family, body = CHECKPOINT_FORMS[config["model_type"]]
+    family, body, extras = CHECKPOINT_FORMS[config["model_type"]]
     if "text_config" in config:  # the language model's own settings, and its type
         config = {"tie_word_embeddings": config.get("tie_word_embeddings", False),
                   **config["text_config"], "model_type": family}
-    bodies = (body,) if isinstance(body, str) else body
-    named = {name: "model." + name[len(b):] for name in state_dict for b in bodies
-             if name.startswith(b)}
-    named |= {name: name for name in state_dict if name.startswith("lm_head.")}
+        bodies = (body,) if isinstance(body, str) else body
+        named = {name: "model." + name[len(b):] for name in state_dict for b in bodies
+                 if name.startswith(b)}
+        named |= {name: name for name in state_dict if name.startswith("lm_head.")}
+    else:  # a text checkpoint: every tensor but its extras, by the names it has
+        named = {name: name for name in state_dict if not name.startswith(extras)}
     return (config, {new: state_dict[old] for old, new in named.items()},
             None if files is None else {new: files[old] for old, new in named.items()})
 

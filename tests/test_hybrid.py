@@ -334,7 +334,9 @@ def test_the_language_model_of_an_image_and_text_checkpoint_and_one_with_mtp(qwe
     _, small, _ = qwen35_pair
     tensors, config = read_checkpoint(qwen35_pair[2])
     with_mtp = from_hf(tensors | {'mtp.fc.weight': torch.zeros(64, 128)}, config)
-    with torch.no_grad(): assert torch.equal(with_mtp(ids[1:]), small(ids[1:]))
+    bare = from_hf({name.removeprefix('model.'): t for name, t in tensors.items()}, config)  # names without model.
+    with torch.no_grad():
+        assert torch.equal(with_mtp(ids[1:]), small(ids[1:])) and torch.equal(bare(ids[1:]), small(ids[1:]))
 
 
 # --- the package's blocks inside transformers ---------------------------------------------------------------------------

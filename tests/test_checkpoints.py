@@ -650,22 +650,22 @@ def test_a_tensor_of_another_shape_names_its_file_and_loads_nothing(tmp_path):
 
 @pytest.mark.parametrize('kind', ['gemma3', 'gemma4'])
 def test_the_language_model_of_an_image_and_text_checkpoint(kind, tmp_path):
-    """Gemma 3's and Gemma 4's checkpoints as the hub holds them, with towers beside the language model (Gemma 3's in
-    the layout it was published in, language_model.model.; Gemma 4's model.language_model.): from_hf builds the
-    language model, equal to transformers' model of the whole checkpoint on text, and leaves the towers unread."""
+    """Gemma 3's and Gemma 4's checkpoints as the hub holds them, a vision tower beside the language model (Gemma 3's
+    in the layout it was published in, language_model.model.; Gemma 4's model.language_model.): from_hf builds the
+    language model, equal to transformers' model of the whole checkpoint on text, and leaves the tower unread."""
     from transformers import AutoConfig, AutoModelForImageTextToText
     text = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, max_position_embeddings=256, sliding_window=8,
                 layer_types=['sliding_attention', 'full_attention'])
-    towers = dict(vision_config=dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                     image_size=32, patch_size=8)) if kind == 'gemma3' else {}
+    vision = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    towers = dict(vision_config=vision | (dict(image_size=32, patch_size=8) if kind == 'gemma3' else dict(head_dim=16)))
     torch.manual_seed(0)
     theirs = AutoModelForImageTextToText.from_config(AutoConfig.for_model(kind, text_config=text, **towers)).eval()
     with torch.no_grad():
         for p in theirs.parameters(): p.add_(torch.randn_like(p) * 0.05)   # away from init (norms of 0 or 1)
     theirs.save_pretrained(tmp_path)
     names = read_checkpoint(tmp_path)[0]
-    assert [n for n in names if 'tower' in n] if kind == 'gemma3' else names   # towers there to leave unread
+    assert [n for n in names if 'vision_tower.' in n]                           # a tower there to leave unread
     ours = from_hf(tmp_path)
     assert ours.hf_config['model_type'] == f'{kind}_text'
     ids = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(1))

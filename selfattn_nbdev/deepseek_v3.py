@@ -14,7 +14,7 @@ from .core import check_size, check_tokens
 from .causal import causal_allowed, check_context, check_dropout
 from .multihead import _check_cache
 from .generation import TinyGPT
-from .masks import block_mask, causal
+from .masks import LayerMask, block_mask, causal
 from .kernels import _check_mods, _dense_once, _refuse_kernel
 from .rope import (
     _rope_cos_sin, _rows_at, _shared_table, check_yarn, rope_rotate, yarn_mscale)
@@ -144,6 +144,7 @@ class LatentAttention(nn.Module):
         "Queries; the latent and shared key, turned and cached; keys, values; attend."
         self._check_call(x, document_ids)
         _check_mods(mask_mod, score_mod, scale, cache)
+        if isinstance(mask_mod, LayerMask): mask_mod = mask_mod.for_layer()  # causal
         if x.dim() == 2:  # one sequence: a batch of 1
             return self(x[None], cache, None, mask_mod, score_mod, scale,
                         _forward_masks)[0]

@@ -27,9 +27,10 @@ from .core import (_Switches, _forget_old_main, _limit_name, _switches,
                                  check_size, check_token_ids, patch)
 from .causal import check_context
 from .multihead import MultiHeadAttention, _check_scale, _runs_in_rows
-from .masks import (and_masks, call_mask_mod, causal, dense_mask,
-                                  document_positions, documents, key_padding,
-                                  sliding_window, _check_mask_mods, _dense)
+from .masks import (LayerMask, and_masks, call_mask_mod, causal,
+                                  dense_mask, document_positions, documents,
+                                  key_padding, sliding_window, _check_mask_mods,
+                                  _dense)
 
 
 # %% ../nbs/11_kernels.ipynb #m19c0032
@@ -540,6 +541,16 @@ def _say_once(key:tuple, message:str) -> None:
     _said.add(key)
     warnings.warn(message, stacklevel=4)
 
+def _say_dense(opened:Tensor, queries:Tensor) -> None: # the mask SDPA is given
+    "Once: a caller's predicate went to SDPA as a dense mask, every pair held."
+    shape, mib = tuple(opened.shape), opened.untyped_storage().nbytes() / 2 ** 20
+    why = ("FlexAttention has no backward pass on a CPU" if queries.requires_grad
+           and not queries.is_cuda else "no block-sparse kernel takes this call")
+    _say_once(('dense', 'mask_mod'), f"attention took the 'dense' path: {why}, so "
+              f"your mask_mod is asked about every pair and held as a bool mask of "
+              f"shape {shape} ({mib:.0f} MiB) each forward; packed documents or "
+              f"padding given as document_ids or key_padding_mask go by run instead")
+
 def _everywhere(b, h, q_idx, kv_idx): return q_idx >= 0  # no mask: every pair
 
 def _attend_flex(m:MultiHeadAttention, queries, keys, values, key_padding_mask,
@@ -650,6 +661,8 @@ def _attend_masked(self:MultiHeadAttention,
     opened, dead = _opened_once(self, T, queries.shape[0], queries.device,  # SDPA, the
                                 key_padding_mask, document_ids, mask_mod,   # dense mask
                                 _forward_masks)
+    if mask_mod is not None and T * T >= BLOCK_MIN_PAIRS and not forced:
+        _say_dense(opened, queries)  # a caller's predicate, every pair held: say so
     context = sdpa(queries, keys, values, attn_mask=opened)  # every row sees a key
     return context if dead is None else context.masked_fill(dead, 0.0)  # no key: 0
 
@@ -692,6 +705,9 @@ def _masks_part(
 ) -> Tensor|None: # RoPE's positions, (b, T), or None; NotImplemented: no documents
     "Check this page's inputs; with documents, the context per document, positions."
     document_ids = mask_inputs.get('document_ids')
+    mask_mod = mask_inputs.get('mask_mod')
+    if isinstance(mask_mod, LayerMask):  # yours, joined to this module's own mask
+        mask_inputs['mask_mod'] = mask_mod.for_layer(m.causal, m.window)
     _check_document_ids(document_ids, x)
     _check_mods(mask_inputs.get('mask_mod'), mask_inputs.get('score_mod'), None,
                 cache)  # (forward checked the scale)

@@ -4,7 +4,8 @@
 
 # %% auto #0
 __all__ = ['EMPTY', 'PARTIAL', 'FULL', 'causal', 'sliding_window', 'key_padding', 'documents', 'document_positions', 'and_masks',
-           'or_masks', 'call_mask_mod', 'dense_mask', 'TileMask', 'block_mask']
+           'or_masks', 'call_mask_mod', 'dense_mask', 'TileMask', 'block_mask', 'LayerMask', 'and_layer_mask',
+           'or_layer_mask']
 
 # %% ../nbs/10_masks.ipynb #m19c0002
 from typing import Callable, NamedTuple
@@ -217,3 +218,48 @@ def block_mask(
         rows.append(torch.where(every, FULL, torch.where(some, PARTIAL, EMPTY)))
     kinds = torch.stack(rows, dim=-2).to(torch.int8)  # (B, H, nq, nk)
     return TileMask(mask_mod, kinds, block_size, num_tokens, num_keys, q_offset)
+
+# %% ../nbs/10_masks.ipynb #1ayer0m2
+def _every_pair(b, h, q_idx, kv_idx): return (q_idx >= 0) & (kv_idx >= 0)
+
+class LayerMask:
+    "Your predicate, joined to each layer's own mask (causal, or a window) by & or |."
+    def __init__(self,
+                 mask_mod:Callable, # yours: (b, h, q_idx, kv_idx) -> bool
+                 join:str, # 'and': attend where both allow it; 'or': where either does
+                ):
+        if join not in ('and', 'or'):
+            raise ValueError(f"join must be 'and' or 'or'; got {join!r}")
+        _check_mask_mods((mask_mod,), f'{join}_layer_mask')
+        self.mask_mod, self.join, self._made = mask_mod, join, {}
+
+    def for_layer(self,
+                  is_causal:bool=True, # the layer hides the future
+                  window:int|None=None, # and keys `window` or more back
+                 ) -> Callable: # the layer's predicate: the same one for each kind
+        "One layer's predicate: its own mask joined to yours, made once per kind."
+        kind = (is_causal, window)
+        if kind not in self._made:
+            own = call_mask_mod(is_causal, window)  # None: a layer that sees every key
+            if own is None: made = self.mask_mod if self.join == 'and' else _every_pair
+            else: made = (and_masks if self.join == 'and' else or_masks)(
+                own, self.mask_mod)
+            self._made[kind] = made
+        return self._made[kind]
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        raise TypeError(f"{self!r} joins each layer's own mask: give it as mask_mod to "
+                        f"a module, block or model, or ask .for_layer(is_causal, "
+                        f"window) for one layer's predicate")
+
+    def __repr__(self):
+        name = getattr(self.mask_mod, '__name__', type(self.mask_mod).__name__)
+        return f"{self.join}_layer_mask({name})"
+
+def and_layer_mask(mask_mod:Callable) -> LayerMask:
+    "Each layer's own mask and yours: attend where both allow it."
+    return LayerMask(mask_mod, 'and')
+
+def or_layer_mask(mask_mod:Callable) -> LayerMask:
+    "Each layer's own mask or yours: attend where either allows it."
+    return LayerMask(mask_mod, 'or')

@@ -328,3 +328,128 @@ def test_a_predicate_may_read_the_head():
         x = torch.randn(B, T, 16, dtype=torch.float64)
         dense, tiled = mla(x, mask_mod=per_head), mla(x, mask_mod=per_head, score_mod=identity)
         assert (dense - tiled).abs().max() < 1e-12 and (dense - mla(x)).abs().max() > 1e-6
+
+
+# ---- a caller's predicate joined to each layer's own mask (and_layer_mask, or_layer_mask) ----
+
+def image_block(b, h, q_idx, kv_idx): return (q_idx < PREFIX[b]) & (kv_idx < PREFIX[b])     # seen both ways
+def keeps_keys(b, h, q_idx, kv_idx): return SEEN[b, kv_idx] | (q_idx == kv_idx)                # hides some keys
+
+
+@pytest.mark.parametrize('path', ['explicit', 'dense', 'block', 'flex_eager', None])
+@pytest.mark.parametrize('join', ['and', 'or'])
+def test_a_layer_mask_is_the_modules_own_mask_joined_to_yours(join, path):
+    """and_layer_mask(f) is and_masks(this module's own mask, f), or_layer_mask(f) or_masks(...), on every kernel
+    that takes a predicate: a windowed module keeps its window, a causal one its causality, a Gemma module with
+    padding too; a module that hides nothing takes f alone ('and') or every pair ('or')."""
+    from selfattn_nbdev.masks import and_layer_mask, or_layer_mask, or_masks, sliding_window
+    joined, f = ((and_layer_mask, keeps_keys), (or_layer_mask, image_block))[join == 'or']
+    combine = and_masks if join == 'and' else or_masks
+    torch.manual_seed(0)
+    windowed = MultiHeadAttention(D, D, T, num_heads=H, num_kv_heads=KV, window=6).double()
+    gemma = LlamaAttention(D, T, H, KV, query_scale=0.4, softcap=3.0, window=5).double()
+    cases = [(windowed, sliding_window(6), {}), (module('mha'), causal, {}),
+             (gemma, sliding_window(5), dict(key_padding_mask=PAD))]
+    if path in ('dense', None): cases = cases[:2]               # Gemma: its own cap, never SDPA's
+    for m, own, kw in cases:
+        grad = path != 'flex_eager'
+        ours = run(m, dict(kw, mask_mod=joined(f)), path, grad)
+        ref = run(m, dict(kw, mask_mod=combine(own, f)), None, grad)
+        assert max((a - b).abs().max().item() for a, b in zip(ours, ref)) < 1e-12, (m, path)
+        replaced = run(m, dict(kw, mask_mod=f), None, grad)[0]
+        assert (replaced - ref[0]).abs().max() > 1e-6                  # the module's own mask mattered
+    m = MultiHeadAttention(D, D, T, num_heads=H, causal=False).double()
+    everything = lambda b, h, q, kv: kv >= 0
+    expected = f if join == 'and' else everything
+    ours, ref = run(m, dict(mask_mod=joined(f)), path, path != 'flex_eager'), run(m, dict(mask_mod=expected), None)
+    assert (ours[0] - ref[0]).abs().max() < 1e-12
+
+
+def test_a_layer_mask_is_made_once_per_kind_of_layer_and_says_how_to_use_it():
+    from selfattn_nbdev.masks import LayerMask, and_layer_mask, or_layer_mask
+    joined = or_layer_mask(image_block)
+    assert joined.for_layer(window=4) is joined.for_layer(window=4)        # blocks of one kind share masks
+    assert joined.for_layer(window=4) is not joined.for_layer()
+    assert repr(joined) == 'or_layer_mask(image_block)'
+    with pytest.raises(TypeError, match=r"or_layer_mask\(image_block\) joins each layer's own mask.*for_layer"):
+        joined(0, 0, 1, 1)
+    with pytest.raises(TypeError, match='and_layer_mask needs predicates'):
+        and_layer_mask(torch.ones(3))
+    with pytest.raises(ValueError, match="join must be 'and' or 'or'; got 'xor'"):
+        LayerMask(image_block, 'xor')
+    from selfattn_nbdev.generation import KVCache
+    with pytest.raises(ValueError, match='mask_mod and score_mod apply to whole sequences'):
+        module('mha')(torch.randn(1, 4, D, dtype=torch.float64), cache=KVCache(), mask_mod=joined)
+
+
+def test_a_layer_mask_on_latent_attention_and_a_model():
+    "MLA's own mask is causal; a model whose blocks differ (Gemma: a window of 6, then global) keeps each."
+    from selfattn_nbdev.deepseek_v3 import LatentAttention
+    from selfattn_nbdev.masks import and_layer_mask, or_layer_mask, or_masks, sliding_window
+    torch.manual_seed(0)
+    mla = LatentAttention(16, T, H, kv_rank=8, rope_dim=4, nope_dim=4, v_dim=4).double()
+    x = torch.randn(B, T, 16, dtype=torch.float64)
+    with torch.no_grad():
+        assert (mla(x, mask_mod=and_layer_mask(keeps_keys)) - mla(x, mask_mod=and_masks(causal, keeps_keys))
+                ).abs().max() < 1e-12
+        assert (mla(x, mask_mod=or_layer_mask(image_block)) - mla(x, mask_mod=or_masks(causal, image_block))
+                ).abs().max() < 1e-12
+        gemma = dict(_models())['Gemma'].double().eval()
+        ids = torch.randint(0, 50, (B, T))
+        plain = gemma(ids)
+        # keys every query sees anyway: joined to each block's own mask, nothing changes; in place of it, a lot
+        assert (gemma(ids, mask_mod=and_layer_mask(causal)) - plain).abs().max() < 1e-12
+        assert (gemma(ids, mask_mod=causal) - plain).abs().max() > 1e-6
+
+
+@pytest.mark.parametrize('join', ['and', 'or'])
+def test_a_layer_mask_equals_transformers_masks_per_layer_type(join):
+    """Gemma 2 (a window of 8, then global) in float64 against transformers' eager Gemma 2 given one mask per layer
+    type, as its forward takes them ({'full_attention': ..., 'sliding_attention': ...}): or_layer_mask(image) is
+    transformers' or_mask_function, and_layer_mask(keep) its and_mask_function. In place of each layer's own mask
+    (mask_mod=...), the same predicate is another model."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from selfattn_nbdev.masks import and_layer_mask, dense_mask, or_layer_mask, or_masks, sliding_window
+    from selfattn_nbdev.pretrained import from_hf
+    torch.manual_seed(0)
+    config = AutoConfig.for_model('gemma2', vocab_size=64, hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                  sliding_window=8, query_pre_attn_scalar=8, max_position_embeddings=64,
+                                  attn_implementation='eager')
+    theirs = AutoModelForCausalLM.from_config(config).double().eval()
+    ours = from_hf(theirs.state_dict(), theirs.config.to_dict()).double().eval()
+    assert theirs.config.layer_types == ['sliding_attention', 'full_attention']
+    f, joined, combine = ((keeps_keys, and_layer_mask, and_masks), (image_block, or_layer_mask, or_masks))[join == 'or']
+    def additive(mask_mod):  # (B, 1, T, T): 0 where attended, the dtype's lowest elsewhere
+        allowed = dense_mask(mask_mod, T, batch=B)
+        return torch.zeros(allowed.shape, dtype=torch.float64).masked_fill(~allowed, torch.finfo(torch.float64).min)
+    per_type = {'full_attention': additive(combine(causal, f)),
+                'sliding_attention': additive(combine(sliding_window(8), f))}
+    ids = torch.randint(0, 64, (B, T))
+    with torch.no_grad():
+        reference = theirs(ids, attention_mask=per_type).logits
+        assert (ours(ids, mask_mod=joined(f)) - reference).abs().max() < 1e-6      # transformers' RoPE: float32
+        assert (ours(ids, mask_mod=combine(causal, f)) - reference).abs().max() > 1e-3
+
+
+def test_a_callers_predicate_held_densely_says_so_once(monkeypatch):
+    """Training on a CPU, a mask_mod goes to SDPA with its dense mask (FlexAttention has no CPU backward): from
+    BLOCK_MIN_PAIRS pairs, one warning per process names the path, the reason and the mask's shape and size;
+    shorter calls, and a path the caller forced, say nothing."""
+    monkeypatch.setattr(kernels, '_said', set())
+    m = MultiHeadAttention(4, 4, 2048, num_heads=2).train()
+    chosen = []
+    real = kernels._opened_once
+    monkeypatch.setattr(kernels, '_opened_once', lambda *a, **k: chosen.append(1) or real(*a, **k))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        m(torch.randn(2, 2047, 4, requires_grad=True), mask_mod=prefix_lm)   # below the size: quiet
+        for _ in range(3): m(torch.randn(2, 2048, 4, requires_grad=True), mask_mod=prefix_lm)
+    said = [str(w.message) for w in caught if 'attention took' in str(w.message)]
+    assert chosen and len(said) == 1, said
+    assert ("'dense' path: FlexAttention has no backward pass on a CPU" in said[0]
+            and 'shape (2, 1, 2048, 2048) (8 MiB)' in said[0]), said[0]       # prefix_lm reads b, not h
+    monkeypatch.setattr(kernels, '_said', set())
+    with warnings.catch_warnings(), attention_kernel('dense'):
+        warnings.simplefilter('error')
+        m(torch.randn(2, 2048, 4, requires_grad=True), mask_mod=prefix_lm)  # forced: the caller knows

@@ -235,3 +235,24 @@ def test_a_long_name_in_code_breaks_after_a_dot_or_an_underscore(tmp_path):
     assert 'transformers.<wbr>models.<wbr>qwen3_5' in html and 'a_<wbr>b' in html
     assert '0.05' in html and 'an.output_line' in html and '<a href="#cb1-1"></a>' in html
     assert re.sub(r'<[^>]+>', '', html) == re.sub(r'<[^>]+>', '', code) + 'an.output_line'
+
+
+def test_a_long_name_in_inline_code_breaks_after_a_dot_or_an_underscore_and_a_short_one_stays_whole(tmp_path):
+    """Inline code: a name of INLINE_LONG characters or more breaks at <wbr> as a block's names do; a shorter one
+    (`head_dim`) gets no mark, so prose never splits it at a line's end; an output's <pre><code> none at all."""
+    from tools.docs import INLINE_LONG, name_breaks
+    page = tmp_path / 'p.html'
+    long = 'transformers.models.qwen3_5.modeling_qwen3_5'
+    assert len(long) >= INLINE_LONG > len('apply_chat_template')
+    page.write_text(f'<h2>The <code>rope_theta</code></h2><p>In <code>{long}</code>, see '
+                    '<a href="x.html#f"><code>apply_chat_template</code></a>.</p>'
+                    '<pre><code>kept.as_printed_by_a_cell_output_line.x</code></pre>')
+    assert name_breaks(tmp_path) == '4 breaks in names of code'
+    html = page.read_text()
+    assert '<code>transformers.<wbr>models.<wbr>qwen3_5.<wbr>modeling_<wbr>qwen3_5</code>' in html
+    assert '<code>rope_theta</code>' in html and '<code>apply_chat_template</code>' in html
+    assert '<pre><code>kept.as_printed_by_a_cell_output_line.x</code></pre>' in html
+    page.write_text('<p><code>(module, q) -&gt; q</code></p><pre><code>f() -&gt; x</code></pre>')
+    name_breaks(tmp_path)                                   # an arrow stays whole; an output is left as printed
+    assert page.read_text() == ('<p><code>(module, q) <span class="arrow">-&gt;</span> q</code></p>'
+                                '<pre><code>f() -&gt; x</code></pre>')

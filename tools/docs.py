@@ -267,6 +267,10 @@ def hanging_indents(site_dir: Path) -> str:
 
 
 SOURCE_CODE = re.compile(r'(<code class="sourceCode[^"]*">)(.*?)(</code>)', re.S)
+INLINE_CODE = re.compile(r'(<pre[^>]*>\s*)?(<code>)(.*?)(</code>)', re.S)  # group 1: an output's
+ARROW = '<span class="arrow">-&gt;</span>'  # styles.css: never broken
+INLINE_LONG = 30  # a name in prose this long may not fit a phone's line: it breaks at . or _; a shorter one
+                 # moves to the next line whole (a mark in it would split `head_dim` at a line's end)
 NAME_JOINT = re.compile(r'(?<=[A-Za-z0-9_])([._])(?=[A-Za-z_])')  # x.shape, use_cache: not 0.05
 
 
@@ -275,18 +279,22 @@ def name_breaks(site_dir: Path) -> str:
 
     On a phone, styles.css wraps code; a name wider than the line (`transformers.models.qwen3_5.modeling_qwen3_5`)
     would otherwise break wherever the line ends, mid-word. `<wbr>` adds no character: what the copy button copies is
-    the code as written. Only code (Quarto's `sourceCode`), never outputs, and never inside a tag."""
+    the code as written. Only code (Quarto's `sourceCode`, and names of INLINE_LONG characters or more in inline
+    code), never outputs, and never inside a tag. An arrow `->` is kept whole (a line may break after a `-`)."""
     n = 0
-    def mark(m):
+    def marked(opening, body, closing, shortest=0):
         nonlocal n
-        parts = re.split(r'(<[^>]+>)', m.group(2))  # text and tags in turn: the tags kept whole
+        parts = re.split(r'(<[^>]+>)', body)  # text and tags in turn: the tags kept whole
         for i in range(0, len(parts), 2):
-            parts[i], k = NAME_JOINT.subn(r'\1<wbr>', parts[i])
-            n += k
-        return m.group(1) + ''.join(parts) + m.group(3)
+            parts[i] = re.sub(r'\S{%d,}' % max(shortest, 1), lambda w: NAME_JOINT.sub(r'\1<wbr>', w.group()),
+                              parts[i]).replace('-&gt;', ARROW)  # a line may break after '-': not in '->'
+        n += sum(part.count('<wbr>') for part in parts[::2])
+        return opening + ''.join(parts) + closing
+    mark = lambda m: marked(*m.groups())
+    mark_inline = lambda m: m.group(0) if m.group(1) else marked(*m.groups()[1:], shortest=INLINE_LONG)
     for page in site_dir.rglob('*.html'):
         text = page.read_text()
-        new = SOURCE_CODE.sub(mark, text)
+        new = INLINE_CODE.sub(mark_inline, SOURCE_CODE.sub(mark, text))
         if new != text: page.write_text(new)
     return f'{n} breaks in names of code' if n else 'no breaks in names of code'
 

@@ -256,3 +256,26 @@ def test_a_long_name_in_inline_code_breaks_after_a_dot_or_an_underscore_and_a_sh
     name_breaks(tmp_path)                                   # an arrow stays whole; an output is left as printed
     assert page.read_text() == ('<p><code>(module, q) <span class="arrow">-&gt;</span> q</code></p>'
                                 '<pre><code>f() -&gt; x</code></pre>')
+
+
+def test_llms_txt_lists_every_page_once_in_reading_order():
+    """tools/docs.py's llms.txt (llmstxt.org): a title, a summary, then the sidebar's sections as H2 (Reference as
+    Optional), each page once, in the sidebar's order, linked to its published page with its own summary."""
+    import yaml
+    from tools.docs import _title_and_summary, llms_text
+    ROOT = Path(__file__).resolve().parents[1]
+    text = llms_text()
+    lines = text.splitlines()
+    assert lines[0] == '# Self-attention from first principles' and lines[2].startswith('> ')
+    sidebar = yaml.safe_load((ROOT / 'nbs' / 'sidebar.yml').read_text())['website']['sidebar']['contents']
+    order = [n for item in sidebar for n in ([item] if isinstance(item, str) else item['contents'])]
+    linked = re.findall(r'\]\(https://selfattn-nbdev\.github\.io/selfattn_nbdev/([\w.]+\.html)\)', text)
+    expected = [re.sub(r'^\d+[a-zA-Z0-9]*_', '', n).replace('.ipynb', '.html') for n in order]
+    assert linked == expected and len(set(linked)) == len(linked) == len(list((ROOT / 'nbs').glob('*.ipynb')))
+    sections = [l[3:] for l in lines if l.startswith('## ')]
+    assert sections == [('Optional' if s['section'] == 'Reference' else s['section'])
+                        for s in sidebar if isinstance(s, dict)]
+    assert sections[-1] == 'Optional'                                  # llmstxt.org: what a reader may skip
+    title, summary = _title_and_summary(ROOT / 'nbs' / '10_masks.ipynb')
+    assert f'- [{title}](https://selfattn-nbdev.github.io/selfattn_nbdev/masks.html): {summary}' in lines
+    assert title == 'Masks as functions' and summary.startswith('A mask is a predicate')

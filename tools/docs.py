@@ -183,6 +183,46 @@ def smalldocs_names(proc: Path) -> None:
     sidebar.write_text(text)
 
 
+def _title_and_summary(nb: Path) -> tuple[str, str]:
+    "A notebook's page title and one-line summary: its first markdown cell, `# Title` and `> summary`."
+    cells = json.loads(nb.read_text())['cells']
+    text = next((''.join(c['source']) for c in cells if c['cell_type'] == 'markdown'), '')
+    title = re.search(r'^#\s+(.+)$', text, re.M)
+    summary = re.search(r'^>\s*(.+)$', text, re.M)
+    return (title.group(1).strip() if title else nb.stem), (summary.group(1).strip() if summary else '')
+
+
+def llms_text() -> str:
+    """The site as an llms.txt (llmstxt.org): its title, its summary, then each sidebar section's pages in reading
+    order, each a link to its published page with the page's own summary; the reference pages under `Optional`,
+    the section a reader of the file may skip. Built from nbs/sidebar.yml and each notebook's first cell."""
+    import yaml
+    cfg = get_config()
+    url = f"{cfg.doc_host.rstrip('/')}{cfg.doc_baseurl.rstrip('/')}/"
+    sidebar = yaml.safe_load((cfg.nbs_path/'sidebar.yml').read_text())['website']['sidebar']['contents']
+    def entry(name):
+        title, summary = _title_and_summary(cfg.nbs_path/name)
+        page = nbdev.doclinks._nbpath2html(Path(name)).name
+        return f"- [{title}]({url}{page})" + (f": {summary}" if summary else "")
+    lines = [f"# {cfg.title}", "", f"> {cfg.description}", "",
+             f"Every page is a Jupyter notebook (nbdev): the same notebooks are the package `{cfg.lib_name}` "
+             f"(`pip install git+{cfg.git_url}`; PyTorch its only dependency) and its tests. A page's notebook "
+             f"is `{url}notebooks/<notebook>.ipynb`, named as in the repository's `nbs/`.", ""]
+    for item in sidebar:
+        if isinstance(item, str): lines += ["Start with " + entry(item)[2:], ""]; continue
+        section = 'Optional' if item['section'] == 'Reference' else item['section']
+        lines += [f"## {section}", "", *map(entry, item['contents']), ""]
+    return "\n".join(lines)
+
+
+def llms_txt(site_dir: Path) -> str:
+    "Write the site's llms.txt (`llms_text`)."
+    text = llms_text()
+    (site_dir/'llms.txt').write_text(text)
+    pages = len(re.findall(r'^(?:- |Start with )\[', text, re.M))
+    return f"llms.txt ({pages} pages)"
+
+
 KATEX_CDN = re.compile(r'https://cdn\.jsdelivr\.net/npm/katex@([\d.]+)/dist')
 
 
@@ -311,7 +351,7 @@ def render(proc: Path) -> str:
         smalldocs_names(proc)
         subprocess.run([sys.executable, '-m', 'smalldocs.cli', 'render', str(proc)], check=True)
         renderer = 'smalldocs'
-    renderer += f' ({vendor_katex(out)}; {local_links(out)}; {drop_widget_loaders(out)}; {hanging_indents(out)}; {name_breaks(out)}; {copy_notebooks(out)}; {clean_search_index(out)})'
+    renderer += f' ({vendor_katex(out)}; {local_links(out)}; {drop_widget_loaders(out)}; {hanging_indents(out)}; {name_breaks(out)}; {copy_notebooks(out)}; {llms_txt(out)}; {clean_search_index(out)})'
     shutil.rmtree(cfg.doc_path, ignore_errors=True)
     shutil.move(str(out), str(cfg.doc_path))
     return renderer

@@ -10,8 +10,8 @@ __all__ = ['SelfAttention', 'check_tokens', 'check_size', 'check_flag', 'check_c
            'MultiHeadAttentionWrapper', 'MultiHeadAttention', 'to_torch_multihead', 'KVCache', 'StaticKVCache',
            'CacheProtocol', 'KVCacheProtocol', 'TinyGPT', 'generate', 'generate_stream', 'sample_next', 'repeat_kv',
            'window_allowed', 'window_mask', 'rope_angles', 'apply_rope', 'causal', 'sliding_window', 'key_padding',
-           'documents', 'and_masks', 'or_masks', 'dense_mask', 'attention_kernel', 'tiled_attention',
-           'AttentionExplorer', 'package_attention', 'from_hf', 'save_hf']
+           'documents', 'and_masks', 'or_masks', 'and_layer_mask', 'or_layer_mask', 'dense_mask', 'attention_kernel',
+           'tiled_attention', 'AttentionExplorer', 'package_attention', 'from_hf', 'save_hf']
 
 # %% ../nbs/index.ipynb #e26eca70
 # Later pages add to the modules of earlier ones (MultiHeadAttention gains a cache,
@@ -31,8 +31,9 @@ from .generation import TinyGPT
 from .decoding import generate, generate_stream, sample_next
 from .gqa_window_rope import repeat_kv, window_allowed, window_mask
 from .rope import rope_angles, apply_rope
-from .masks import (and_masks, causal, dense_mask, documents,
-                                  key_padding, or_masks, sliding_window)
+from .masks import (and_layer_mask, and_masks, causal, dense_mask,
+                                  documents, key_padding, or_layer_mask, or_masks,
+                                  sliding_window)
 from .kernels import attention_kernel
 from .tiled import tiled_attention
 from . import mods as _mods  # MultiHeadAttention's 'block' path
@@ -56,7 +57,8 @@ _all_ = ['SelfAttention', 'check_tokens', 'check_size', 'check_flag', 'check_cou
          'generate_stream', 'sample_next', 'repeat_kv', 'window_allowed',
          'window_mask', 'rope_angles', 'apply_rope',
          'causal', 'sliding_window', 'key_padding', 'documents', 'and_masks',
-         'or_masks', 'dense_mask', 'attention_kernel', 'tiled_attention',
+         'or_masks', 'and_layer_mask', 'or_layer_mask', 'dense_mask',
+         'attention_kernel', 'tiled_attention',
          'AttentionExplorer', 'package_attention', 'from_hf', 'save_hf']
 
 # %% ../nbs/index.ipynb #ea012ec9

@@ -401,7 +401,7 @@ def forward(self:MultiHeadAttention,
             x:Tensor, # tokens, (num_tokens, d_in) or (batch, num_tokens, d_in)
             key_padding_mask:Tensor|None=None, # bool, x.shape[:-1]; True = padding
             return_attn_weights:bool=False, # explicit path; also return the weights
-            cache=None, # Generation's (a later page): x holds only the new tokens
+            cache=None, # The KV cache's (a later page): x holds only the new tokens
             scale:float|None=None, # c in softmax(c q·k); None: 1/sqrt(head_dim)
             **mask_inputs, # a later page's: packed documents, your mask or scores
            ) -> Tensor: # context vectors (..., num_tokens, d_out) [and the weights]

@@ -528,6 +528,24 @@ def attention_weights(
     finally:
         for handle in handles: handle.remove()
 
+# %% ../nbs/13_pretrained.ipynb #d3a7e0w1
+def _weights_part(model:nn.Module, token_ids:Tensor, caches:list|None,
+                  attn_inputs:dict): # NotImplemented: False asks for nothing
+    "A model returns logits; `attention_weights` keeps each block's weights."
+    if not attn_inputs.get('return_attn_weights'): return NotImplemented
+    raise TypeError(f"{type(model).__name__} returns logits; for the weights of its "
+                    f"blocks, `with attention_weights(model) as weights: model(ids)` "
+                    f"(return_attn_weights is an argument of one attention module)")
+
+MultiHeadAttention._model_parts['weights'] = ('return_attn_weights', _weights_part)
+MultiHeadAttention._their_names.update(  # transformers' model arguments, by their names
+    output_attentions="nothing: `with attention_weights(model) as weights: model(ids)` "
+                      "keeps each block's weights",
+    position_ids="nothing: positions run 0, 1, ... in a row, restart at each document "
+                 "given as document_ids, and go on after a cache's tokens",
+    labels="nothing: the model returns logits; the loss is F.cross_entropy(logits[:, "
+           ":-1].flatten(0, 1), token_ids[:, 1:].flatten())")
+
 # %% ../nbs/13_pretrained.ipynb #97ac593c
 def from_torch_multihead(
     ref:nn.MultiheadAttention, # PyTorch's module; kdim and vdim equal to embed_dim

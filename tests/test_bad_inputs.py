@@ -832,3 +832,24 @@ def test_generate_reads_the_prompt_once_wherever_it_is(monkeypatch):
     generate(model, [torch.tensor([1, 2]), torch.tensor([3])], 2)
     assert [always for always, name in asked if name.startswith('prompt_ids')] == [True, True, True]
     assert not any(always for always, name in asked if name == 'token_ids')
+
+
+def test_a_model_asked_for_weights_or_given_transformers_names_says_what_to_do():
+    """A model's forward returns logits: return_attn_weights=True there names attention_weights (before: 'unsupported
+    operand type(s) for +: Tensor and tuple' from inside a block), and transformers' output_attentions, position_ids
+    and labels each say what the package takes instead; return_attn_weights=False asks for nothing."""
+    import selfattn_nbdev  # noqa: F401  (every page's parts)
+    from selfattn_nbdev.generation import TinyGPT
+    from selfattn_nbdev.models import Llama, attention_weights
+    torch.manual_seed(0)
+    for model in (TinyGPT(50, 16, 16, 2, 2), Llama(50, 16, 16, 2, 1, 1, 32)):
+        ids = torch.randint(0, 50, (1, 8))
+        with pytest.raises(TypeError, match=r'returns logits; for the weights of its blocks, `with attention_weights'):
+            model(ids, return_attn_weights=True)
+        assert torch.equal(model(ids, return_attn_weights=False), model(ids))
+        for name, words in [('output_attentions', 'attention_weights'), ('position_ids', 'document_ids'),
+                            ('labels', 'F.cross_entropy')]:
+            with pytest.raises(TypeError, match=f'unexpected keyword arguments: {name}; for {name}, give .*{words}'):
+                model(ids, **{name: ids})
+        with attention_weights(model) as weights: model(ids)
+        assert len(weights) == len(model.blocks) and weights[0].shape[-2:] == (8, 8)

@@ -36,8 +36,9 @@ from .masks import (LayerMask, and_masks, call_mask_mod, causal,
 # %% ../nbs/11_kernels.ipynb #m19c0032
 FLEX_MODES = ('auto', 'compiled', 'eager', 'off')
 FLEX_MIN_TOKENS = {'cpu': 4096, 'cuda': 1024}  # 'auto': shorter texts keep SDPA
-FLEX_SHORTEST = {'cpu': 128}  # 'compiled' too: torch 2.13's compiled CPU kernel is
-                              # wrong below one block (NaN at 40 tokens, head_dim 16)
+FLEX_SHORTEST = {'cpu': 128}  # 'compiled' too: below one block torch 2.13's compiled
+                              # CPU kernel gave NaN on one of our CPUs, not on all (40
+                              # tokens, head_dim 16, window 3): SDPA there, on every CPU
 FLEX_BLOCK_MASKS = 32  # block masks kept, the least recently used given up first
 RUNS_MIN_TOKENS, RUNS_MAX = 1024, 256  # a CPU attends run by run: from, at most
 RUN_WORTH = 2 ** 14  # and at most n² / RUN_WORTH runs of n tokens: a call must pay

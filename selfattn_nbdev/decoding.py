@@ -664,8 +664,11 @@ def _synchronize(device:torch.device) -> None:
     "Wait until the device has run everything queued (a GPU runs behind the host)."
     if device.type == 'cuda': torch.cuda.synchronize(device)
 
+_ROUTE = "transformers' generate, with the model's attention through the package"
 _THEIR_NAMES = {'eos_token_id': 'stop_ids', 'pad_token_id': 'pad_id',  # transformers'
-                'do_sample': 'temperature > 0', 'max_length': 'max_new_tokens'}
+                'do_sample': 'temperature > 0', 'max_length': 'max_new_tokens',
+                'num_beams': _ROUTE, 'assistant_model': _ROUTE,  # selfattn_nbdev.hf
+                'prompt_lookup_num_tokens': _ROUTE}
 
 def _check_options(options:dict) -> None:
     "Refuse by name what generate_stream does not take, listing what it does."
@@ -684,7 +687,8 @@ def generate(
     max_new_tokens:int, # the most tokens to add to each row
     step_times:list|None=None, # if a list, the seconds of every step are appended
     **kwargs, # generate_stream's: use_cache, temperature, top_k, stop_ids, compile...
-): # a tensor (b, T + new) for a tensor; for a list, each prompt + its new tokens
+): # (b, T + new) for a tensor: its rows as given, padding where it was, then the
+   # new tokens (as transformers' generate); for a list, each prompt + its new tokens
     "Continue every prompt; the same tokens `generate_stream` yields, all at once."
     if step_times is not None and not isinstance(step_times, list):
         raise TypeError(f"step_times must be a list or None; got {step_times!r}")

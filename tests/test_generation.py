@@ -97,3 +97,18 @@ def test_generation_stops_at_the_models_end_of_text_ids():
     if other is not None and other != free[4]:                    # the caller's ids win over the model's
         cut = int((free == other).nonzero()[0, 0])
         assert generate(model, [prompt], 12, stop_ids=other)[0][3:].tolist() == free[:cut + 1].tolist()
+
+
+def test_transformers_generate_options_are_named_with_what_takes_them():
+    """generate refuses options it lacks by name: transformers' spellings name the package's (eos_token_id: stop_ids),
+    and beam search and the two kinds of speculative decoding name transformers' generate on the package's
+    attention, which runs them (tests/test_hf_mask_forms.py)."""
+    from selfattn_nbdev import TinyGPT, generate
+    model = TinyGPT(20, 64, d_model=16, num_heads=2).eval()
+    ids = torch.tensor([[1, 2, 3]])
+    with pytest.raises(TypeError, match=r'does not support eos_token_id; eos_token_id \(here: stop_ids\)'):
+        generate(model, ids, 2, eos_token_id=5)
+    for name in ('num_beams', 'assistant_model', 'prompt_lookup_num_tokens'):
+        with pytest.raises(TypeError, match=f"does not support {name}; {name} \\(here: transformers' generate, with "
+                                            f"the model's attention through the package\\). It supports: use_cache"):
+            generate(model, ids, 2, **{name: 3})

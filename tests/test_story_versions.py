@@ -16,7 +16,8 @@ from selfattn_nbdev.decoding import StaticKVCache
 from selfattn_nbdev.generation import KVCache, TinyGPT
 from selfattn_nbdev.multihead import MultiHeadAttention
 
-PAGES = ['multihead', 'generation', 'decoding', 'rope', 'gqa_window_rope', 'masks', 'kernels']  # the reading order of the modules that grow
+PAGES = ['multihead', 'generation', 'decoding', 'rope', 'gqa_window_rope', 'masks', 'kernels',
+         'models']  # the reading order of the modules that grow the story's classes
 HOME = {MultiHeadAttention: 'multihead', TinyGPT: 'generation', KVCache: 'generation', StaticKVCache: 'decoding'}
 PARTS = [(MultiHeadAttention, name) for name in ('_position_rules', '_shown', '_options', '_mask_rules', '_score_rules',
                                                  '_call_parts', '_kernel_choices', '_products')]

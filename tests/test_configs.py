@@ -298,3 +298,17 @@ def test_gpt2_untied_head_case(tmp_path):
     assert torch.equal(back.lm_head.weight, theirs.lm_head.weight)
     assert not torch.equal(back.lm_head.weight, back.transformer.wte.weight)
     with torch.no_grad(): assert rel(back(token_ids).logits, theirs(token_ids).logits) <= 1e-6
+
+
+@pytest.mark.parametrize('model_type', ['qwen3_moe', 'mixtral', 'gpt_oss', 'glm4_moe'])
+def test_a_mixture_of_experts_is_refused_with_what_it_lacks(model_type):
+    """from_hf refuses a family it does not build; where the config routes tokens to experts, the message says so
+    (with the count and its key) before the families it builds and the way through transformers."""
+    from transformers import AutoConfig
+    from selfattn_nbdev.pretrained import from_hf
+    config = AutoConfig.for_model(model_type).to_dict()
+    with pytest.raises(ValueError, match=rf"model_type='{model_type}' is not supported: its blocks route tokens to "
+                                         r"\d+ experts \(\w+\), a mixture of experts.*attn_implementation"):
+        from_hf({}, config)
+    with pytest.raises(ValueError, match=r"model_type='phi3' is not supported; from_hf builds"):  # no experts
+        from_hf({}, AutoConfig.for_model('phi3').to_dict())

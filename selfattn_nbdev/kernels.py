@@ -30,7 +30,7 @@ from .multihead import MultiHeadAttention, _check_scale, _runs_in_rows
 from .masks import (LayerMask, and_masks, call_mask_mod, causal,
                                   dense_mask, document_positions, documents,
                                   key_padding, sliding_window, _check_mask_mods,
-                                  _dense)
+                                  _dense, _every_pair)
 
 
 # %% ../nbs/11_kernels.ipynb #m19c0032
@@ -552,8 +552,6 @@ def _say_dense(opened:Tensor, queries:Tensor) -> None: # the mask SDPA is given
               f"shape {shape} ({mib:.0f} MiB) each forward; packed documents or "
               f"padding given as document_ids or key_padding_mask go by run instead")
 
-def _everywhere(b, h, q_idx, kv_idx): return q_idx >= 0  # no mask: every pair
-
 def _attend_flex(m:MultiHeadAttention, queries, keys, values, key_padding_mask,
                  document_ids, compiled:bool, mask_mod=None, # the caller's, or None
                  score_mod=None, masks=None) -> Tensor: # (b, h, T, hd); the forward's
@@ -575,7 +573,7 @@ def _attend_flex(m:MultiHeadAttention, queries, keys, values, key_padding_mask,
         form, reads = ('yours', mask_mod, m.num_heads), (token,)
     predicate = call_mask_mod(m.causal, m.window, key_padding_mask,
                               document_ids, mask_mod)
-    return flex_attend(queries, keys, values, predicate or _everywhere, form,
+    return flex_attend(queries, keys, values, predicate or _every_pair, form,
                        compiled=compiled, score_mod=m._score_mod(score_mod),
                        reads=reads,
                        heads=None if mask_mod is None else m.num_heads)

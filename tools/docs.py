@@ -16,7 +16,7 @@ from pathlib import Path
 from nbdev.config import get_config
 from nbdev.quarto import refresh_quarto_yml
 from nbdev.serve import proc_nbs
-import nbdev.doclinks, nbdev.showdoc
+import nbdev.doclinks, nbdev.frontmatter, nbdev.showdoc
 
 sys.path.insert(0, str(Path(__file__).parent))
 from showdoc_tables import ParamTables
@@ -184,12 +184,11 @@ def smalldocs_names(proc: Path) -> None:
 
 
 def _title_and_summary(nb: Path) -> tuple[str, str]:
-    "A notebook's page title and one-line summary: its first markdown cell, `# Title` and `> summary`."
+    "A notebook's page title and one-line summary, read from its first markdown cell as nbdev reads them."
     cells = json.loads(nb.read_text())['cells']
     text = next((''.join(c['source']) for c in cells if c['cell_type'] == 'markdown'), '')
-    title = re.search(r'^#\s+(.+)$', text, re.M)
-    summary = re.search(r'^>\s*(.+)$', text, re.M)
-    return (title.group(1).strip() if title else nb.stem), (summary.group(1).strip() if summary else '')
+    fm = nbdev.frontmatter._md2dict(text)  # `# Title` and `> summary`: the page's title and description
+    return fm.get('title', nb.stem), fm.get('description', '')
 
 
 def llms_text() -> str:

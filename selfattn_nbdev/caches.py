@@ -340,6 +340,46 @@ class StaticKVCache:
     def __repr__(self):
         return f"StaticKVCache({self.num_seen} tokens seen, capacity={self.capacity})"
 
+# %% ../nbs/07_batches.ipynb #cr0p0004
+def _crop_to(
+    cache, # the cache to crop: named in errors
+    num_tokens:int, # the tokens to keep; < 0: those to drop from the end
+    seen:int, # the tokens the cache has seen since its reset
+    held:int, # those it still holds: fewer once a window has dropped keys
+) -> int: # the tokens kept, in [0, seen]
+    "Check a crop: at most the tokens seen, and none that the cache has forgotten."
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
+        raise TypeError(f"num_tokens must be an int; got {num_tokens!r}")
+    n = seen + num_tokens if num_tokens < 0 else num_tokens
+    if not 0 <= n <= seen:
+        raise ValueError(f"num_tokens must keep 0 to the {seen} tokens seen, or drop "
+                         f"at most {seen} (negative); got {num_tokens}")
+    if n < seen and held < seen:
+        raise ValueError(f"this {type(cache).__name__} has dropped {seen - held} of "
+                         f"the {seen} tokens it has seen (a window's keys), which a "
+                         f"query before its end would see again: it cannot go back "
+                         f"to {n}; reset() it and run the {n} tokens again")
+    return n
+
+@patch
+def crop(self:KVCache,
+         num_tokens:int, # the first tokens to keep; < 0: the tokens to drop at the end
+        ) -> None:
+    "Forget every token after the first `num_tokens`: generation goes on from there."
+    n = _crop_to(self, num_tokens, self.num_seen, len(self))
+    self._end -= self.num_seen - n  # the storage stays: the next tokens overwrite it
+    self.num_seen = n
+
+@patch
+def crop(self:StaticKVCache,
+         num_tokens:int, # the first columns to keep (padding counts); < 0: to drop
+        ) -> None:
+    "Forget every column after the first `num_tokens`: generation goes on from there."
+    n = _crop_to(self, num_tokens, self.num_seen, len(self))
+    self.num_seen = n
+    if self.step is not None: self.step.fill_(n)  # in place: a CUDA graph's address
+    self._masks.clear()  # the caches sharing them build the next step's again
+
 # %% ../nbs/09_modern.ipynb #2b0f3c80
 class RingKVCache(StaticKVCache):
     "What a `StaticKVCache` becomes for a window: a ring of `window` slots."

@@ -455,6 +455,14 @@ class RecurrentCache:
     def reset(self) -> None:
         "Forget every token, to start a new sequence: no window, no state."
         self.conv, self.state, self.seen = None, None, 0
+    def crop(self, num_tokens:int) -> None:  # a KV cache's crop (Batches)
+        "Keep every token, or none (reset): a state that sums them cannot keep some."
+        kept = self.seen + num_tokens if num_tokens < 0 else num_tokens
+        if kept == self.seen: return
+        if kept == 0: return self.reset()
+        raise ValueError(f"a {type(self).__name__} sums every token into one state "
+                         f"and cannot go back to {kept} of its {self.seen} tokens: "
+                         f"reset() it and run the tokens to keep again")
     def __repr__(self):
         conv, state = (None if t is None else tuple(t.shape)
                        for t in (self.conv, self.state))
@@ -671,6 +679,9 @@ class SharedKV:
 
     def reset(self) -> None:
         "Nothing to forget: the source's cache resets itself."
+
+    def crop(self, num_tokens:int) -> None:
+        "Nothing to forget: the source's cache crops itself (Batches' `crop`)."
 
     def positions(self, num_new:int, device=None) -> Tensor: # (b | 1, num_new)
         "The positions the source's cache gave the same new tokens."

@@ -105,3 +105,50 @@ def test_crop_names_the_argument_and_what_it_got(cache, bad, error, words):
     with torch.no_grad(): model.blocks[0].attn(torch.randn(1, 3, 32), cache=c)
     with pytest.raises(error) as raised: c.crop(bad)
     assert all(w in str(raised.value) for w in words), str(raised.value)
+
+
+def _qwen35():
+    from selfattn_nbdev.hybrid import Qwen35
+    torch.manual_seed(0)
+    return Qwen35(50, 160, 32, 4, 4, num_kv_heads=2, d_hidden=64, head_dim=8, linear_num_key_heads=2,
+                  linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                  layer_types=['full_attention', 'linear_attention'] * 2).eval()
+
+
+@pytest.mark.parametrize('capacity', [None, 32], ids=['growing', 'fixed'])
+def test_a_hybrid_stack_keeps_all_or_nothing_and_names_the_state_that_cannot_go_back(capacity):
+    """A linear block's state sums every token: crop refuses a partial crop by the cache's name; keeping every token
+    changes nothing, and 0 starts again, on every block, so that the next prompt's logits are a fresh forward's."""
+    model, ids = _qwen35(), torch.randint(0, 50, (1, 12), generator=torch.Generator().manual_seed(2))
+    caches = model.new_caches(capacity)
+    with torch.no_grad():
+        model(ids[:, :8], caches)
+        with pytest.raises(ValueError, match=r"a HybridCache sums every token into one state and cannot go back "
+                                             r"to 5 of its 8 tokens: reset\(\)"):
+            caches[1].crop(5)
+        with pytest.raises(ValueError, match=r"cannot go back to 7 of its 8"):
+            caches[1].crop(-1)
+        for cache in caches: cache.crop(8)                                   # everything kept: nothing changes
+        after = model(ids[:, 8:9], caches)
+        assert (after - model(ids[:, :9])[:, -1:]).abs().max() < 1e-5
+        for cache in caches: cache.crop(0)                                   # nothing kept: a new start
+        assert all(c.num_seen == 0 for c in caches)
+        again = model(ids[:, 3:12], caches)
+        assert (again - model(ids[:, 3:12])).abs().max() < 1e-5
+
+
+def test_gemma4_layers_that_share_keys_crop_through_their_source():
+    """Gemma 4's last layers reuse an earlier layer's keys (SharedKV): cropping every cache of the model crops each
+    source once, and the next token's logits are one forward over the tokens kept."""
+    pytest.importorskip('transformers')
+    from tests.test_gemma4 import hf_gemma4, ours_of
+    model = ours_of(hf_gemma4(shared=2))
+    ids = torch.randint(1, 128, (1, 7), generator=torch.Generator().manual_seed(3))  # within the window of 8
+    for capacity in (None, 32):
+        caches = model.new_caches(capacity)
+        with torch.no_grad():
+            model(ids, caches)
+            for cache in caches: cache.crop(5)
+            after = model(ids[:, 6:7], caches)
+            fresh = model(torch.cat([ids[:, :5], ids[:, 6:7]], 1))[:, -1:]
+        assert (after - fresh).abs().max() < 1e-4, capacity

@@ -147,3 +147,35 @@ def test_the_session_bench_records_each_call_and_when_the_step_compiled(monkeypa
     auto = auto_compile.child('tiny', "default (compile='auto')", 3)
     assert auto['compiled'] == [True] * 3 and auto['compiled_at_call'] == 1 and auto['tokens'] == eager['tokens']
     assert made and all(m == (True, False) for m in made)  # compile=True's options, chosen by 'auto'
+
+
+@pytest.mark.slow
+def test_the_switch_in_the_middle_of_a_call_writes_the_eager_tokens_in_every_family(monkeypatch, tmp_path):
+    """Each native family's caches carry on from eager steps to compiled ones in the middle of a call (the host counts
+    from then on): GPT-2, Llama, Mistral, Qwen2, Qwen3, Gemma 2 and 3, DeepSeek-V3's latent attention, a hybrid
+    Qwen3.5 stack and Gemma 4's shared layers, on a plain batch and a left-padded one. Dynamo traces each step whole
+    (fullgraph) and runs it eagerly: the switch's bookkeeping, without Inductor's minutes."""
+    pytest.importorskip('transformers')
+    from bench.families import families
+    from selfattn_nbdev.pretrained import from_hf
+    from tests.test_crop import _qwen35
+    from tests.test_gemma4 import hf_gemma4, ours_of
+    _eager_backend(monkeypatch)
+    monkeypatch.setattr(decoding, 'COMPILE_AFTER_SECONDS', 1e-12)  # step 1 eager, the rest compiled
+    models = {'Qwen3.5 (hybrid)': _qwen35, 'Gemma 4 (shared keys)': lambda: ours_of(hf_gemma4(shared=2))}
+    for name, make in families(128, 2, 256, 512).items():
+        torch.manual_seed(0)
+        folder = tmp_path / str(len(models))
+        make().eval().save_pretrained(folder)
+        models[name] = lambda folder=folder: from_hf(folder).eval()
+    for name, make in models.items():
+        model = make()
+        vocab = model.vocab_size
+        ids = torch.randint(1, min(vocab, 50), (2, 7), generator=torch.Generator().manual_seed(1))
+        for prompts in (ids, [ids[0, 3:], ids[1]]):
+            reference = generate(model, prompts, 6, compile=False, static=True)
+            switched = generate(model, prompts, 6)
+            same = (torch.equal(switched, reference) if isinstance(reference, torch.Tensor)
+                    else all(torch.equal(a, b) for a, b in zip(switched, reference)))
+            assert same, name
+        assert torch.get_num_threads() in model.__dict__['_step_compiled_at'], name

@@ -675,9 +675,10 @@ def generate_stream(
         if threads not in model.__dict__.get('_step_compiled_at', ()):
             spent = model.__dict__['_eager_step_seconds'].get(threads, 0.0)
             _log.warning(f"generate: this model's eager decode steps have taken "
-                         f"{spent:.1f} s at {threads} thread(s), about what "
-                         f"compiling the step costs; compiling it now, once (seconds: "
-                         f"Measurements). compile=False never compiles")
+                         f"{spent:.1f} s at {threads} thread(s), past "
+                         f"COMPILE_AFTER_SECONDS={COMPILE_AFTER_SECONDS:g}; compiling "
+                         f"the step now, once (seconds; later calls reuse it). "
+                         f"compile=False never compiles")
         products.close()
         products.enter_context(faster_products(model, compiled=True, rows=rows))
         return _decode_step(model, True, asked=False)

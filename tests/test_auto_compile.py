@@ -55,11 +55,11 @@ def test_the_step_is_compiled_in_the_middle_of_a_call_once_the_eager_steps_have_
     with caplog.at_level(logging.WARNING, logger='selfattn_nbdev.decoding'):
         assert torch.equal(generate(model, PROMPT, 12), _reference(model, 12))
     assert made == [(True, False)]  # compile=True's options, asked by 'auto'
-    assert any('compiling it now' in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
+    assert any('compiling the step now' in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
     steps = []
     assert torch.equal(generate(model, PROMPT, 20, step_times=steps), _reference(model, 20))
     assert len(made) == 2 and len(steps) == 20  # a new step function, no new warning:
-    assert sum('compiling it now' in r.getMessage() for r in caplog.records) == 1
+    assert sum('compiling the step now' in r.getMessage() for r in caplog.records) == 1
 
 
 def test_a_model_compiled_by_compile_true_is_reused_by_auto_at_once(monkeypatch):
@@ -124,7 +124,7 @@ def test_auto_compiles_by_inductor_and_writes_the_reference_tokens(monkeypatch, 
     with caplog.at_level(logging.WARNING, logger='selfattn_nbdev.decoding'):
         assert torch.equal(generate(model, PROMPT, 12), _reference(model, 12))
     said = [r.getMessage() for r in caplog.records]
-    assert any('compiling it now' in m for m in said) and any('compiled and ran once in' in m for m in said)
+    assert any('compiling the step now' in m for m in said) and any('compiled and ran once in' in m for m in said)
     made = decoding._graphs_made()
     assert torch.equal(generate(model, PROMPT, 12), _reference(model, 12))
     assert decoding._graphs_made() == made

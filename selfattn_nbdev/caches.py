@@ -457,7 +457,7 @@ class RecurrentCache:
         self.conv, self.state, self.seen = None, None, 0
     def crop(self, num_tokens:int) -> None:  # a KV cache's crop (Batches)
         "Keep every token, or none (reset): a state that sums them cannot keep some."
-        kept = self.seen + num_tokens if num_tokens < 0 else num_tokens
+        kept = _crop_to(self, num_tokens, self.seen, self.seen)  # checked as a KV's
         if kept == self.seen: return
         if kept == 0: return self.reset()
         raise ValueError(f"a {type(self).__name__} sums every token into one state "

@@ -152,3 +152,10 @@ def test_gemma4_layers_that_share_keys_crop_through_their_source():
             after = model(ids[:, 6:7], caches)
             fresh = model(torch.cat([ids[:, :5], ids[:, 6:7]], 1))[:, -1:]
         assert (after - fresh).abs().max() < 1e-4, capacity
+
+
+def test_a_recurrent_crop_checks_its_argument_as_a_kv_cache_does():
+    from selfattn_nbdev.caches import RecurrentCache
+    cache = RecurrentCache()
+    with pytest.raises(TypeError, match=r"num_tokens must be an int; got 1.5"): cache.crop(1.5)
+    with pytest.raises(ValueError, match=r"keep 0 to the 0 tokens seen.*got 2"): cache.crop(2)

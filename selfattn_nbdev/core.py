@@ -217,7 +217,9 @@ def _forget_old_main() -> None:
     if main is _last_main[0]: return
     _last_main[0] = main
     import torch._dynamo.symbolic_convert as convert  # it caches imported modules
-    convert._import_module.cache_clear()
+    cache = getattr(convert, "_import_module", None)  # torch 2.13, 2.14: a cache
+    if not hasattr(cache, "cache_clear"): return  # a torch that reads sys.modules
+    cache.cache_clear()
     for module in list(sys.modules.values()):  # and names the old one in globals
         names = getattr(module, "__dict__", {})
         if names.get("__import___main__") not in (None, main):

@@ -111,3 +111,31 @@ def test_a_notebooks_switch_steers_the_package_methods():
         lm(x, score_mod=lambda score, b, h, q, kv: score)
     with mine('explicit'), torch.no_grad():
         assert kernels._switches.kernel == 'explicit'
+
+
+def test_forget_old_main_clears_the_cache_torch_keeps(monkeypatch):
+    "On a torch that caches imported modules (2.13, 2.14), a new `__main__` clears that cache and resets Dynamo."
+    import types
+    import torch
+    import torch._dynamo.symbolic_convert as convert
+    from selfattn_nbdev import core
+    cleared, reset = [], []
+    monkeypatch.setattr(convert, '_import_module', types.SimpleNamespace(cache_clear=lambda: cleared.append(1)))
+    monkeypatch.setattr(torch._dynamo, 'reset', lambda: reset.append(1))
+    monkeypatch.setattr(core, '_last_main', [None])
+    core._forget_old_main(); core._forget_old_main()     # the second: the same __main__, nothing to do
+    assert cleared == [1] and reset == [1]
+
+
+def test_forget_old_main_does_nothing_on_a_torch_without_the_cache(monkeypatch):
+    """PyTorch's pull request 197046 removes `_import_module`: on such a torch a compiled call must not fail on
+    the missing name, and Dynamo keeps what it compiled."""
+    import torch
+    import torch._dynamo.symbolic_convert as convert
+    from selfattn_nbdev import core
+    reset = []
+    monkeypatch.delattr(convert, '_import_module')
+    monkeypatch.setattr(torch._dynamo, 'reset', lambda: reset.append(1))
+    monkeypatch.setattr(core, '_last_main', [None])
+    core._forget_old_main()
+    assert reset == []

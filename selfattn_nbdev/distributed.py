@@ -18,12 +18,13 @@ import tempfile
 import time
 import traceback
 import warnings
+import weakref
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch import Tensor
+from torch import Tensor, nn
 
 from .core import check_size
 from .multihead import MultiHeadAttention
@@ -149,15 +150,47 @@ def check_tp_degree(
         raise TypeError(f"module must be a MultiHeadAttention; "
                         f"got {type(module).__name__}")
     check_size(degree, 'degree')
-    if getattr(module, 'sinks', None) is not None:  # one logit per head, not split
-        raise ValueError("tensor parallelism splits the heads' projections, not a "
-                         "sink logit per head: sinks=True is not supported")
-    for name in ('num_heads', 'num_kv_heads'):
-        heads = getattr(module, name)
-        if heads % degree:
-            raise ValueError(f"tensor parallelism gives every rank {name} // degree "
-                             f"whole heads, so the degree must divide {name}; got "
-                             f"{name}={heads}, degree={degree}")
+    H, G = module.num_heads, module.num_kv_heads
+    if H % degree:
+        raise ValueError(f"tensor parallelism gives every rank num_heads // degree "
+                         f"whole heads, so the degree must divide num_heads; got "
+                         f"num_heads={H}, degree={degree}")
+    if G % degree and degree % G:  # split the key/value heads, or copy them
+        raise ValueError(f"every rank needs whole key/value heads: the degree must "
+                         f"divide num_kv_heads (each rank its own) or be a multiple "
+                         f"of it (each copied to degree // num_kv_heads ranks); got "
+                         f"num_kv_heads={G}, degree={degree}")
+
+
+# %% ../nbs/15_parallel.ipynb #c0pykv01
+_copy_groups = weakref.WeakKeyDictionary()  # mesh -> {copies: process groups}
+
+def _copy_kv_heads(
+    module:MultiHeadAttention, # G key/value heads, fewer than the ranks; changed
+    mesh, # the 1-D DeviceMesh of the R ranks, R a multiple of G
+): # grad -> grad: the gradient of a copy, summed over the ranks that hold it
+    "Lay R / G copies of each key/value head side by side: R heads, one a rank."
+    R, G, hd = mesh.size(), module.num_kv_heads, module.head_dim
+    copies, ranks = R // G, mesh.mesh.flatten().tolist()
+    made = _copy_groups.setdefault(mesh, {})  # every rank makes them, once a mesh
+    if copies not in made:  # (a model's layers share them)
+        made[copies] = [dist.new_group(ranks[g * copies:(g + 1) * copies])
+                        for g in range(G)]
+    mine = made[copies][mesh.get_local_rank() // copies]  # the ranks with my copy
+    for linear in (module.W_key, module.W_value):
+        for name in ('weight', 'bias'):
+            t = getattr(linear, name)
+            if t is None: continue
+            rows = t.detach().unflatten(0, (G, hd))                 # (G, hd[, d_in])
+            copied = rows.repeat_interleave(copies, 0).flatten(0, 1)  # (R hd[, d_in])
+            setattr(linear, name, nn.Parameter(copied))
+        linear.out_features = R * hd
+    vars(module)['num_kv_heads'] = R  # a setting, changed with the weights
+    def summed(grad):  # this backward's gradient here, plus the other copies'
+        dist.all_reduce(grad.to_local(), group=mine)  # in place: the local rows
+        return grad
+    return summed
+
 
 # %% ../nbs/15_parallel.ipynb #4b7fc82f
 def tensor_parallel(
@@ -165,15 +198,25 @@ def tensor_parallel(
     mesh, # a 1-D DeviceMesh: the ranks that share the heads
 ) -> MultiHeadAttention: # the same module, holding num_heads // degree heads here
     "Split `module`'s heads over the ranks of `mesh` with `tp_plan`; local head counts."
+    from torch.distributed.tensor import Shard, distribute_tensor
     from torch.distributed.tensor.parallel import parallelize_module
     degree = mesh.size()
     check_tp_degree(module, degree)
+    copied = module.num_kv_heads < degree  # each key/value head on degree // G ranks
+    summed = _copy_kv_heads(module, mesh) if copied else None
     parallelize_module(module, mesh, tp_plan(module))
+    if copied:  # on the split weights: every copy's gradient the sum, so they agree
+        for p in (*module.W_key.parameters(), *module.W_value.parameters()):
+            p.register_hook(summed)
+    sinks = getattr(module, 'sinks', None)  # gpt-oss: a logit per head, split likewise
+    if sinks is not None:
+        module.sinks = nn.Parameter(distribute_tensor(sinks.detach(), mesh, [Shard(0)]))
     # settings are fixed once built (MultiHeadAttention.__setattr__); here they change
     # with the weights, on purpose: the heads this rank computes, whole groups of them
     vars(module)['num_heads'] //= degree
     vars(module)['num_kv_heads'] //= degree
     return module
+
 
 # %% ../nbs/15_parallel.ipynb #34ee4a16
 def _max_diff(a:Tensor, b:Tensor) -> float:
@@ -184,8 +227,9 @@ def _max_diff(a:Tensor, b:Tensor) -> float:
 # %% ../nbs/15_parallel.ipynb #486e88fc
 def check_tensor_parallel(
     rank:int, world_size:int, # given by run_ranks
-    configs:list, # MultiHeadAttention keyword arguments, one dict per module tried
+    configs:list, # keyword arguments of module_class, one dict per module tried
     dtype=torch.float32, # the precision of the modules and inputs
+    module_class:type=MultiHeadAttention, # or a subclass: LlamaAttention (sinks)
 ) -> list: # per config: the largest differences from the single-process module
     "On each rank: one module whole, a copy split by `tensor_parallel`; compare them."
     import copy
@@ -195,12 +239,20 @@ def check_tensor_parallel(
     results = []
     for config in configs:
         torch.manual_seed(0)  # the same weights and tokens on every rank
-        whole = MultiHeadAttention(**config).to(dtype)
-        x = torch.randn(2, config['context_length'], config['d_in'], dtype=dtype)
+        whole = module_class(**config).to(dtype)
+        if getattr(whole, 'sinks', None) is not None:  # they start at 0: made to
+            with torch.no_grad(): whole.sinks.normal_()  # differ, so a mix-up shows
+        x = torch.randn(2, config['context_length'], whole.d_in, dtype=dtype)
         split = tensor_parallel(copy.deepcopy(whole), mesh)
         out_whole, out_split = whole(x), split(x)
         (out_whole ** 2).mean().backward(); (out_split ** 2).mean().backward()
-        grads = {name: _max_diff(p.grad, dict(whole.named_parameters())[name].grad)
+        G, named = whole.num_kv_heads, dict(whole.named_parameters())
+        def whole_grad(name, rows):  # a copied key/value head's, once per copy
+            g = named[name].grad
+            if rows == len(g): return g
+            per_head = g.unflatten(0, (G, -1))                    # (G, hd[, d_in])
+            return per_head.repeat_interleave(rows // len(g), 0).flatten(0, 1)
+        grads = {name: _max_diff(p.grad, whole_grad(name, p.shape[0]))
                  for name, p in split.named_parameters()}
         explicit, _ = split(x, return_attn_weights=True)
         cache, half = KVCache(), x.shape[1] // 2  # generation: two calls, one cache
@@ -214,6 +266,7 @@ def check_tensor_parallel(
                         'local_heads': (split.num_heads, split.num_kv_heads),
                         'cached_kv_heads': cache.keys.shape[1]})
     return results
+
 
 # %% ../nbs/15_parallel.ipynb #08e0291b
 @atexit.register   # run as Python exits, before it shuts down

@@ -189,11 +189,15 @@ def _scale(self:LlamaAttention) -> float: # c in softmax(c q·k)
     if self.query_scale is None: return 1 / math.sqrt(self.head_dim)
     return self.query_scale
 
+def _held(t:Tensor) -> Tensor: # a parameter as this process holds it
+    "`t`, or its local part when it is split over ranks (a DTensor, as in Parallel)."
+    return t.to_local() if hasattr(t, 'to_local') else t
+
 @patch
 def _softmax(self:LlamaAttention, attn_scores:Tensor) -> Tensor: # (b, h, T, S)
     "With sinks, one more logit per head in every denominator; else the softmax."
     if self.sinks is None: return super(LlamaAttention, self)._softmax(attn_scores)
-    return softmax_with_sink(attn_scores, self.sinks)      # no key: all on the sink
+    return softmax_with_sink(attn_scores, _held(self.sinks))  # no key: on the sink
 
 SINK_BLOCK = 64  # tokens per tile on the sinks' path
 
@@ -211,7 +215,7 @@ def _attend_sunk(self:LlamaAttention, queries, keys, values, key_padding_mask=No
             allowed = self._allowed(T, S, key_padding_mask, b,
                                     document_ids=document_ids, mask_mod=mask_mod)
         if allowed is None: allowed = queries.new_ones(T, S, dtype=torch.bool)  # all
-        return sinks_by_sdpa(queries, keys, values, self.sinks, allowed)
+        return sinks_by_sdpa(queries, keys, values, _held(self.sinks), allowed)
     group = self.num_heads // kv
     yours = score_mod is not None or mask_mod is not None  # functions that may read h
     if not yours:  # GQA by broadcasting: a head group shares its keys
@@ -239,7 +243,7 @@ def _attend_sunk(self:LlamaAttention, queries, keys, values, key_padding_mask=No
     context, lse = tiled_attention(queries, keys, values, plain and self.causal,
                                    SINK_BLOCK, tiles, self._score_mod(score_mod),
                                    return_lse=True)
-    return sink_after(heads(context), heads(lse), self.sinks)   # (b, heads, T, hd)
+    return sink_after(heads(context), heads(lse), _held(self.sinks))  # (b, h, T, hd)
 
 @patch
 def _sinks_by_sdpa(self:LlamaAttention, queries:Tensor, score_mod) -> bool:

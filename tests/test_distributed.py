@@ -249,13 +249,36 @@ def test_release_process_groups_leaves_a_live_group_alone():
     assert mesh._pg_registry == {}
 
 
-def test_tensor_parallel_refuses_sinks_it_would_not_split():
-    "A sink logit per head stayed whole while the heads were split: every forward failed deep in softmax_with_sink."
+def test_check_tp_degree_takes_sinks_and_copies_of_key_value_heads():
+    """Sinks split with the heads (they were refused); fewer key/value heads than ranks are copied (they were refused);
+    a degree that neither divides num_kv_heads nor is a multiple of it is still refused, by name."""
     from selfattn_nbdev.distributed import check_tp_degree
     from selfattn_nbdev.llama_attention import LlamaAttention
-    with pytest.raises(ValueError, match='not a sink logit per head: sinks=True is not supported'):
-        check_tp_degree(LlamaAttention(16, 8, num_heads=4, num_kv_heads=2, sinks=True), 2)
+    check_tp_degree(LlamaAttention(16, 8, num_heads=4, num_kv_heads=2, sinks=True), 2)
     check_tp_degree(LlamaAttention(16, 8, num_heads=4, num_kv_heads=2, softcap=5.0), 2)   # the cap splits with the heads
+    check_tp_degree(MultiHeadAttention(**SMALL, num_kv_heads=1), 4)                        # 1 key/value head, 4 copies
+    check_tp_degree(MultiHeadAttention(d_in=16, d_out=32, context_length=8, num_heads=8, num_kv_heads=2), 8)
+    with pytest.raises(ValueError, match=r'divide num_kv_heads .* or be a multiple of it .*num_kv_heads=3, degree=2'):
+        check_tp_degree(MultiHeadAttention(24, 24, 8, num_heads=6, num_kv_heads=3), 2)
+    with pytest.raises(ValueError, match='num_heads=4, degree=8'):
+        check_tp_degree(MultiHeadAttention(**SMALL, num_kv_heads=1), 8)
+
+
+@pytest.mark.heavy
+def test_tensor_parallel_copies_key_value_heads_and_splits_sinks():
+    """1 and 2 key/value heads on 4 ranks (copied: each copy's gradient is the whole module's, summed over the ranks
+    holding it); gpt-oss's sinks on 2 ranks, with key/value heads split and copied. Every difference below 1e-6."""
+    from selfattn_nbdev.llama_attention import LlamaAttention
+    copied = [dict(SMALL, num_kv_heads=1, rope=True, qkv_bias=True),
+              dict(d_in=16, d_out=32, context_length=8, num_heads=8, num_kv_heads=2, window=3, rope=True)]
+    sunk = [dict(d_model=16, context_length=8, num_heads=4, num_kv_heads=2, sinks=True),
+            dict(d_model=16, context_length=8, num_heads=4, num_kv_heads=1, sinks=True, window=3)]
+    four = run_ranks(check_tensor_parallel, 4, copied)
+    two = run_ranks(check_tensor_parallel, 2, sunk, torch.float32, LlamaAttention)
+    for results in four + two:
+        for r in results: assert max(r[k] for k in ('output', 'explicit', 'cache', 'grad')) < 1e-6, r
+    assert [r['local_heads'] for r in four[0]] == [(1, 1), (2, 1)]
+    assert [r['local_heads'] for r in two[0]] == [(2, 1), (2, 1)] and two[0][1]['cached_kv_heads'] == 1
 
 
 def test_torchs_activation_checkpointing_wraps_the_models_blocks(tmp_path):

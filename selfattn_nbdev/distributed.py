@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['free_port', 'run_ranks', 'tp_plan', 'check_tp_degree', 'tensor_parallel', 'check_tensor_parallel',
-           'release_process_groups', 'check_fsdp']
+           'tensor_parallel_model', 'check_tensor_parallel_model', 'release_process_groups', 'check_fsdp']
 
 # %% ../nbs/15_parallel.ipynb #9d41ba60
 import atexit
@@ -141,6 +141,20 @@ def tp_plan(
             'W_value': ColwiseParallel(), 'out_proj': RowwiseParallel()}
 
 # %% ../nbs/15_parallel.ipynb #faf443b7
+def _not_by_heads(module:MultiHeadAttention) -> str|None: # why not, or None: it can
+    "Why the heads of `module` cannot be split by rows of its projections, if so."
+    missing = [n for n in ('W_query', 'W_key', 'W_value', 'out_proj')
+               if type(getattr(module, n, None)) is not nn.Linear]
+    if missing: return f"has no nn.Linear {', '.join(missing)}"
+    if type(module)._qkv is not MultiHeadAttention._qkv:  # a gate beside each query
+        return "makes its queries, keys and values its own way (its own _qkv)"
+    for name in ('q_norm', 'k_norm'):  # a norm of one head splits; of all, not
+        weight = getattr(getattr(module, name, None), 'weight', None)
+        if weight is not None and weight.shape[-1] != module.head_dim:
+            return (f"norms {name[0]} over all its heads ({name} of "
+                    f"{weight.shape[-1]}, not head_dim={module.head_dim})")
+    return None
+
 def check_tp_degree(
     module:MultiHeadAttention, # the attention to split by heads
     degree:int, # the number of ranks to split it over
@@ -150,6 +164,9 @@ def check_tp_degree(
         raise TypeError(f"module must be a MultiHeadAttention; "
                         f"got {type(module).__name__}")
     check_size(degree, 'degree')
+    why = _not_by_heads(module)
+    if why: raise TypeError(f"tensor parallelism splits the projections by whole "
+                            f"heads; this {type(module).__name__} {why}")
     H, G = module.num_heads, module.num_kv_heads
     if H % degree:
         raise ValueError(f"tensor parallelism gives every rank num_heads // degree "
@@ -266,6 +283,82 @@ def check_tensor_parallel(
                         'local_heads': (split.num_heads, split.num_kv_heads),
                         'cached_kv_heads': cache.keys.shape[1]})
     return results
+
+
+# %% ../nbs/15_parallel.ipynb #tpm00002
+def _mlp_plan(
+    mlp:nn.Module, # a block's MLP
+) -> tuple|None: # ({name: ParallelStyle}, hidden width), or None: not a kind split here
+    "Megatron's split of an MLP: its first products by columns, its last by rows."
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    linear = lambda m: type(m) is nn.Linear
+    if all(linear(getattr(mlp, n, None)) for n in ('gate', 'up', 'down')):  # SwiGLU
+        return ({'gate': ColwiseParallel(), 'up': ColwiseParallel(),
+                 'down': RowwiseParallel()}, mlp.gate.out_features)
+    if (isinstance(mlp, nn.Sequential) and len(mlp) == 3 and linear(mlp[0])
+            and linear(mlp[2]) and not list(mlp[1].parameters())):  # GPT-2's
+        return {'0': ColwiseParallel(), '2': RowwiseParallel()}, mlp[0].out_features
+    return None
+
+def tensor_parallel_model(
+    model:nn.Module, # a model of the package: `blocks`, each with `attn` and `mlp`
+    mesh, # a 1-D DeviceMesh: the ranks that share every block
+) -> nn.Module: # the same model, changed in place: every block split over the ranks
+    "Each block's attention split by heads, its MLP by columns, then rows; rest whole."
+    from torch.distributed.tensor.parallel import parallelize_module
+    degree, blocks = mesh.size(), getattr(model, 'blocks', None)
+    if not isinstance(blocks, nn.ModuleList) or not len(blocks):
+        raise TypeError(f"model must have blocks (an nn.ModuleList), as the package's "
+                        f"models do; got {type(model).__name__}")
+    plans = []
+    for i, block in enumerate(blocks):  # every block checked before any is split
+        attn, mlp = getattr(block, 'attn', None), getattr(block, 'mlp', None)
+        if not isinstance(attn, MultiHeadAttention):
+            raise TypeError(f"tensor_parallel_model splits a MultiHeadAttention by "
+                            f"heads; blocks[{i}].attn is {type(attn).__name__}")
+        check_tp_degree(attn, degree)  # and refuses one it cannot split by heads
+        plan = _mlp_plan(mlp)
+        if plan is None:
+            raise TypeError(f"tensor_parallel_model splits a gate/up/down MLP or a "
+                            f"Linear, activation, Linear one; blocks[{i}].mlp is "
+                            f"{type(mlp).__name__}")
+        if plan[1] % degree:
+            raise ValueError(f"the degree must divide the MLP's hidden width; got "
+                             f"{plan[1]} in blocks[{i}].mlp, degree={degree}")
+        plans.append(plan[0])
+    for block, plan in zip(blocks, plans):
+        tensor_parallel(block.attn, mesh)
+        parallelize_module(block.mlp, mesh, plan)
+    return model
+
+
+# %% ../nbs/15_parallel.ipynb #tpm00004
+def check_tensor_parallel_model(
+    rank:int, world_size:int, # given by run_ranks
+    make, # () -> a model of the package; called once a rank, after the same seed
+    tokens:int=12, # the length of each of the 2 rows the models read
+) -> dict: # the largest differences from the whole model, and the tokens of each
+    "On each rank: one model whole, a copy split by `tensor_parallel_model`; compare."
+    import copy
+    from torch.distributed.device_mesh import init_device_mesh
+    from selfattn_nbdev.decoding import generate
+    mesh = init_device_mesh('cpu', (world_size,))
+    torch.manual_seed(0)  # the same weights and tokens on every rank
+    whole = make()
+    ids = torch.randint(0, whole.vocab_size, (2, tokens))
+    split = tensor_parallel_model(copy.deepcopy(whole), mesh)
+    out_whole, out_split = whole(ids), split(ids)
+    (out_whole ** 2).mean().backward(); (out_split ** 2).mean().backward()
+    named = dict(whole.named_parameters())
+    grads = [_max_diff(p.grad, named[name].grad)
+             for name, p in split.named_parameters()]
+    with torch.no_grad():
+        said = [generate(m.eval(), ids[:1, :4], 6, compile=False)[0].tolist()
+                for m in (whole, split)]
+    return {'logits': _max_diff(out_split, out_whole), 'grad': max(grads),
+            'tokens_equal': said[0] == said[1],
+            'local_heads': (split.blocks[0].attn.num_heads,
+                            split.blocks[0].attn.num_kv_heads)}
 
 
 # %% ../nbs/15_parallel.ipynb #08e0291b

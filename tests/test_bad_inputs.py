@@ -25,6 +25,8 @@ from selfattn_nbdev.generation import CharTokenizer, TinyGPT, TransformerBlock, 
 from selfattn_nbdev.decoding import sample_next
 from selfattn_nbdev.decoding import StaticKVCache, generate, generate_stream
 from selfattn_nbdev.caches import CacheProtocol
+from selfattn_nbdev.models import Llama
+from selfattn_nbdev.olmo import OlmoAttention
 from selfattn_nbdev.gqa_window_rope import check_kv_heads, check_rope, check_window
 from selfattn_nbdev.gqa_window_rope import rope_rotate as R_rope_rotate
 from selfattn_nbdev.tiled import online_softmax, tiled_attention
@@ -118,6 +120,12 @@ def _two_modules(cache):
     with torch.no_grad():
         a(X[:1, :2], cache=cache)
         b(X[:1, :2], cache=cache)
+
+
+class _Mesh:
+    "A stand-in for a DeviceMesh of `n` ranks: what a check reads before anything is split."
+    def __init__(self, n): self.n = n
+    def size(self): return self.n
 
 
 CASES = {
@@ -311,6 +319,13 @@ CASES = {
                               ['num_heads=2', 'degree=4']),
     'check_tp_degree kv heads': (lambda: D.check_tp_degree(MultiHeadAttention(12, 12, 8, num_heads=6, num_kv_heads=3),
                                                            2), ValueError, ['num_kv_heads=3', 'degree=2']),
+    'check_tp_degree by heads': (lambda: D.check_tp_degree(OlmoAttention(8, 8, num_heads=2), 2), TypeError,
+                                 ['whole heads', 'OlmoAttention', 'q_norm of 8', 'head_dim=4']),
+    'tensor_parallel_model blocks': (lambda: D.tensor_parallel_model(nn.Linear(2, 2), _Mesh(2)), TypeError,
+                                     ['blocks', 'Linear']),
+    'tensor_parallel_model mlp width': (lambda: D.tensor_parallel_model(
+        Llama(8, 8, d_model=8, num_heads=4, num_layers=1, d_hidden=6), _Mesh(4)), ValueError,
+        ['hidden width', '6', 'blocks[0].mlp', 'degree=4']),
     'check_tp_degree zero': (lambda: D.check_tp_degree(MultiHeadAttention(8, 8, 8), 0), ValueError, ['degree', '0']),
     'run_ranks world_size': (lambda: D.run_ranks(print, 0), ValueError, ['world_size', '0']),
     'sequence_chunks order': (lambda: R.sequence_chunks(0, 2, order='bad'), ValueError, ['order', "'bad'"]),

@@ -317,3 +317,67 @@ def test_torchs_activation_checkpointing_wraps_the_models_blocks(tmp_path):
     assert peak(wrapped) < peak(plain) / 2
     plain.eval(); wrapped.eval()
     assert torch.equal(generate(wrapped, ids[:1, :20], 8), generate(plain, ids[:1, :20], 8))
+
+
+# --- a whole model split: every block's attention by heads, its MLP by columns then rows
+def _llama():
+    from selfattn_nbdev.models import Llama
+    return Llama(vocab_size=64, context_length=16, d_model=32, num_heads=4, num_kv_heads=2, num_layers=2, d_hidden=48,
+                 window=6)
+
+
+def _gpt2():
+    from selfattn_nbdev.models import GPT2
+    return GPT2(vocab_size=64, context_length=16, d_model=32, num_heads=4, num_layers=2)
+
+
+class _Mesh:
+    "What the whole-model split reads of a DeviceMesh before it splits anything."
+    def __init__(self, n): self.n = n
+    def size(self): return self.n
+
+
+@pytest.mark.heavy
+def test_tensor_parallel_model_on_two_ranks():
+    """A Llama (GQA, a window, SwiGLU) and a GPT-2 (tied head, GELU MLP) split over 2 ranks: logits and every gradient
+    as the whole model's, and generate writes the same greedy tokens."""
+    from selfattn_nbdev.distributed import check_tensor_parallel_model
+    for make, heads in [(_llama, (2, 1)), (_gpt2, (2, 2))]:
+        for r in run_ranks(check_tensor_parallel_model, 2, make):
+            assert r['logits'] < 1e-4 and r['grad'] < 1e-4 and r['tokens_equal'], r
+            assert r['local_heads'] == heads
+
+
+def test_tensor_parallel_model_on_one_rank(one_rank):
+    "The same check in this process (its code under coverage): one rank holds every head."
+    from selfattn_nbdev.distributed import check_tensor_parallel_model
+    r = check_tensor_parallel_model(0, 1, _llama)
+    assert r['logits'] == 0.0 and r['grad'] == 0.0 and r['tokens_equal'] and r['local_heads'] == (4, 2)
+
+
+def test_tensor_parallel_model_refuses_before_it_splits_anything():
+    """A block it cannot split (a latent attention, a gated query, a norm over all heads, an MLP of another kind, a
+    width the degree does not divide) is refused by name, and no block before it has been split."""
+    from torch import nn
+    from selfattn_nbdev.distributed import tensor_parallel_model
+    from selfattn_nbdev.hybrid import GatedAttention
+    from selfattn_nbdev.models import Llama
+    from selfattn_nbdev.olmo import OlmoAttention
+    model = _llama()
+    model.blocks[1].attn = OlmoAttention(32, 16, num_heads=4, num_kv_heads=2)
+    with pytest.raises(TypeError, match=r'OlmoAttention norms q over all its heads \(q_norm of 32, not head_dim=8\)'):
+        tensor_parallel_model(model, _Mesh(2))
+    assert type(model.blocks[0].attn.W_query.weight) is nn.Parameter                       # block 0 left whole
+    model.blocks[1].attn = GatedAttention(32, 16, num_heads=4, num_kv_heads=2)
+    with pytest.raises(TypeError, match=r'GatedAttention makes its queries, keys and values its own way'):
+        tensor_parallel_model(model, _Mesh(2))
+    model.blocks[1].attn = nn.Identity()
+    with pytest.raises(TypeError, match=r'splits a MultiHeadAttention by heads; blocks\[1\].attn is Identity'):
+        tensor_parallel_model(model, _Mesh(2))
+    model = _llama()
+    model.blocks[0].mlp = nn.Sequential(nn.Linear(32, 48), nn.LayerNorm(48), nn.Linear(48, 32))  # weights in the middle
+    with pytest.raises(TypeError, match=r'blocks\[0\].mlp is Sequential'):
+        tensor_parallel_model(model, _Mesh(2))
+    with pytest.raises(ValueError, match=r'hidden width; got 48 in blocks\[0\].mlp, degree=32'):
+        tensor_parallel_model(Llama(vocab_size=64, context_length=16, d_model=64, num_heads=32, num_layers=1,
+                                    d_hidden=48), _Mesh(32))            # 32 heads split, 48 hidden units not

@@ -242,6 +242,22 @@ def _max_diff(a:Tensor, b:Tensor) -> float:
     return (full(a) - full(b)).abs().max().item()
 
 # %% ../nbs/15_parallel.ipynb #486e88fc
+def _grad_diffs(
+    whole:nn.Module, split:nn.Module, # the same module (or model), whole and split
+) -> list: # the largest difference of each parameter's gradient
+    "Compare gradients; a copied key/value head's (_copy_kv_heads) once per copy."
+    named = dict(whole.named_parameters())
+    diffs = []
+    for name, p in split.named_parameters():
+        g = named[name].grad
+        if p.shape[0] != g.shape[0]:  # R copies of G heads' rows, in the order laid
+            attn = '.'.join(name.split('.')[:-2])  # 'W_key.weight' in the module
+            G = whole.get_submodule(attn).num_kv_heads
+            per_head = g.unflatten(0, (G, -1))                    # (G, hd[, d_in])
+            g = per_head.repeat_interleave(p.shape[0] // g.shape[0], 0).flatten(0, 1)
+        diffs.append(_max_diff(p.grad, g))
+    return diffs
+
 def check_tensor_parallel(
     rank:int, world_size:int, # given by run_ranks
     configs:list, # keyword arguments of module_class, one dict per module tried
@@ -263,14 +279,7 @@ def check_tensor_parallel(
         split = tensor_parallel(copy.deepcopy(whole), mesh)
         out_whole, out_split = whole(x), split(x)
         (out_whole ** 2).mean().backward(); (out_split ** 2).mean().backward()
-        G, named = whole.num_kv_heads, dict(whole.named_parameters())
-        def whole_grad(name, rows):  # a copied key/value head's, once per copy
-            g = named[name].grad
-            if rows == len(g): return g
-            per_head = g.unflatten(0, (G, -1))                    # (G, hd[, d_in])
-            return per_head.repeat_interleave(rows // len(g), 0).flatten(0, 1)
-        grads = {name: _max_diff(p.grad, whole_grad(name, p.shape[0]))
-                 for name, p in split.named_parameters()}
+        grads = _grad_diffs(whole, split)
         explicit, _ = split(x, return_attn_weights=True)
         cache, half = KVCache(), x.shape[1] // 2  # generation: two calls, one cache
         with torch.no_grad():  # (causal: a cache gives what the whole sequence gives)
@@ -279,7 +288,7 @@ def check_tensor_parallel(
         results.append({'output': _max_diff(out_split, out_whole),
                         'explicit': _max_diff(explicit, out_whole),
                         'cache': _max_diff(cached, out_whole) if whole.causal else 0.0,
-                        'grad': max(grads.values()),
+                        'grad': max(grads),
                         'local_heads': (split.num_heads, split.num_kv_heads),
                         'cached_kv_heads': cache.keys.shape[1]})
     return results
@@ -349,9 +358,7 @@ def check_tensor_parallel_model(
     split = tensor_parallel_model(copy.deepcopy(whole), mesh)
     out_whole, out_split = whole(ids), split(ids)
     (out_whole ** 2).mean().backward(); (out_split ** 2).mean().backward()
-    named = dict(whole.named_parameters())
-    grads = [_max_diff(p.grad, named[name].grad)
-             for name, p in split.named_parameters()]
+    grads = _grad_diffs(whole, split)  # a copied key/value head's: once per copy
     with torch.no_grad():
         said = [generate(m.eval(), ids[:1, :4], 6, compile=False)[0].tolist()
                 for m in (whole, split)]

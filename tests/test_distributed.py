@@ -326,6 +326,12 @@ def _llama():
                  window=6)
 
 
+def _llama_one_kv_head():
+    "1 key/value head for 2 ranks: every block copies it (the process groups made once for the mesh)."
+    from selfattn_nbdev.models import Llama
+    return Llama(vocab_size=64, context_length=16, d_model=32, num_heads=4, num_kv_heads=1, num_layers=2, d_hidden=48)
+
+
 def _gpt2():
     from selfattn_nbdev.models import GPT2
     return GPT2(vocab_size=64, context_length=16, d_model=32, num_heads=4, num_layers=2)
@@ -339,10 +345,10 @@ class _Mesh:
 
 @pytest.mark.heavy
 def test_tensor_parallel_model_on_two_ranks():
-    """A Llama (GQA, a window, SwiGLU) and a GPT-2 (tied head, GELU MLP) split over 2 ranks: logits and every gradient
-    as the whole model's, and generate writes the same greedy tokens."""
+    """A Llama (GQA, a window, SwiGLU), a GPT-2 (tied head, GELU MLP) and a Llama with one key/value head (copied in
+    every block) split over 2 ranks: logits and every gradient as the whole model's, the same greedy tokens."""
     from selfattn_nbdev.distributed import check_tensor_parallel_model
-    for make, heads in [(_llama, (2, 1)), (_gpt2, (2, 2))]:
+    for make, heads in [(_llama, (2, 1)), (_gpt2, (2, 2)), (_llama_one_kv_head, (2, 1))]:
         for r in run_ranks(check_tensor_parallel_model, 2, make):
             assert r['logits'] < 1e-4 and r['grad'] < 1e-4 and r['tokens_equal'], r
             assert r['local_heads'] == heads

@@ -4,12 +4,13 @@
 
 Clones the repository's HEAD (or --rev) into a temporary folder with `../shared` beside it, as CI does, and times the steps of
 `.ci/run` one by one: `make install` (the virtual environment and the pinned tools), `make test`, `make test-slow`,
-`make docs` with smalldocs (no Quarto on PATH), `make docs` with Quarto when `--quarto` names
+`make test-nbdev`, then `make docs` with smalldocs (no Quarto on PATH), `make docs` with Quarto when `--quarto` names
 one, and `make test-site`. For each it records the wall-clock seconds, the CPU seconds of its child processes and,
 for the pytest steps, pytest's own count and seconds, the coverage and the seconds of each notebook and test file
 (pytest's --durations, setup, call and teardown summed; with two workers they overlap); for `make test-nbdev`, the
-seconds of each notebook (`nbdev_test --timing`). `make test-quick`, the edit loop (warm, after `make test`), is timed
-too but is not a CI step (`in_ci: false`, left out of the total). The Measurements page reads the JSON.
+seconds of each notebook (`nbdev_test --timing`). `make test-quick`, the edit loop (warm, after `make test`), and
+`make docs`, which `.ci/run` does not run (`make test-site` builds the site it walks), are timed too but are not CI
+steps (`in_ci: false`, left out of the total). The Measurements page reads the JSON.
 """
 import argparse, datetime, json, os, platform, re, resource, shlex, shutil, subprocess, sys, tempfile, time
 from pathlib import Path
@@ -85,6 +86,8 @@ def main():
     result['torch'] = torch_version
     result['load_average_at_end'] = os.getloadavg()[0]
     result['steps']['test-quick']['in_ci'] = False   # a contributor's loop, not CI's
+    for name in ('docs', 'docs-quarto'):  # .ci/run builds no site of its own: test-site builds it, timed there
+        if name in result['steps']: result['steps'][name]['in_ci'] = False
     result['total_seconds'] = round(sum(s['seconds'] for s in result['steps'].values() if s.get('in_ci', True)), 1)
     Path(a.out).write_text(json.dumps(result, indent=1) + '\n')
     shutil.rmtree(clone)  # its venv and builds: 1.6 GB a run; the logs stay, for a step that failed

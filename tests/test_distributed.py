@@ -264,23 +264,6 @@ def test_check_tp_degree_takes_sinks_and_copies_of_key_value_heads():
         check_tp_degree(MultiHeadAttention(**SMALL, num_kv_heads=1), 8)
 
 
-@pytest.mark.heavy
-def test_tensor_parallel_copies_key_value_heads_and_splits_sinks():
-    """1 and 2 key/value heads on 4 ranks (copied: each copy's gradient is the whole module's, summed over the ranks
-    holding it); gpt-oss's sinks on 2 ranks, with key/value heads split and copied. Every difference below 1e-6."""
-    from selfattn_nbdev.llama_attention import LlamaAttention
-    copied = [dict(SMALL, num_kv_heads=1, rope=True, qkv_bias=True),
-              dict(d_in=16, d_out=32, context_length=8, num_heads=8, num_kv_heads=2, window=3, rope=True)]
-    sunk = [dict(d_model=16, context_length=8, num_heads=4, num_kv_heads=2, sinks=True),
-            dict(d_model=16, context_length=8, num_heads=4, num_kv_heads=1, sinks=True, window=3)]
-    four = run_ranks(check_tensor_parallel, 4, copied)
-    two = run_ranks(check_tensor_parallel, 2, sunk, torch.float32, LlamaAttention)
-    for results in four + two:
-        for r in results: assert max(r[k] for k in ('output', 'explicit', 'cache', 'grad')) < 1e-6, r
-    assert [r['local_heads'] for r in four[0]] == [(1, 1), (2, 1)]
-    assert [r['local_heads'] for r in two[0]] == [(2, 1), (2, 1)] and two[0][1]['cached_kv_heads'] == 1
-
-
 def test_torchs_activation_checkpointing_wraps_the_models_blocks(tmp_path):
     """PyTorch's apply_activation_checkpointing (what torchtune applies before fully_shard) on a Llama's blocks: the
     state dict keeps its names, padded and packed training steps give the plain model's loss and gradients, generate
@@ -319,39 +302,19 @@ def test_torchs_activation_checkpointing_wraps_the_models_blocks(tmp_path):
     assert torch.equal(generate(wrapped, ids[:1, :20], 8), generate(plain, ids[:1, :20], 8))
 
 
-# --- a whole model split: every block's attention by heads, its MLP by columns then rows
+# --- a whole model split: every block's attention by heads, its MLP by columns then rows. On 2 ranks the Parallel
+# page's cells check it (Llama, GPT-2, a Llama with one key/value head), as they check sinks and copied key/value
+# heads on 4 and 2 ranks; make test runs them. Here: the code on one rank, and what is refused.
 def _llama():
     from selfattn_nbdev.models import Llama
     return Llama(vocab_size=64, context_length=16, d_model=32, num_heads=4, num_kv_heads=2, num_layers=2, d_hidden=48,
                  window=6)
 
 
-def _llama_one_kv_head():
-    "1 key/value head for 2 ranks: every block copies it (the process groups made once for the mesh)."
-    from selfattn_nbdev.models import Llama
-    return Llama(vocab_size=64, context_length=16, d_model=32, num_heads=4, num_kv_heads=1, num_layers=2, d_hidden=48)
-
-
-def _gpt2():
-    from selfattn_nbdev.models import GPT2
-    return GPT2(vocab_size=64, context_length=16, d_model=32, num_heads=4, num_layers=2)
-
-
 class _Mesh:
     "What the whole-model split reads of a DeviceMesh before it splits anything."
     def __init__(self, n): self.n = n
     def size(self): return self.n
-
-
-@pytest.mark.heavy
-def test_tensor_parallel_model_on_two_ranks():
-    """A Llama (GQA, a window, SwiGLU), a GPT-2 (tied head, GELU MLP) and a Llama with one key/value head (copied in
-    every block) split over 2 ranks: logits and every gradient as the whole model's, the same greedy tokens."""
-    from selfattn_nbdev.distributed import check_tensor_parallel_model
-    for make, heads in [(_llama, (2, 1)), (_gpt2, (2, 2)), (_llama_one_kv_head, (2, 1))]:
-        for r in run_ranks(check_tensor_parallel_model, 2, make):
-            assert r['logits'] < 1e-4 and r['grad'] < 1e-4 and r['tokens_equal'], r
-            assert r['local_heads'] == heads
 
 
 def test_tensor_parallel_model_on_one_rank(one_rank):

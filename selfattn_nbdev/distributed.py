@@ -104,6 +104,7 @@ def run_ranks(
     "Run `fn` on `world_size` gloo ranks (forked processes) and return their results."
     check_size(world_size, 'world_size')
     fn, here = _importable(fn), importlib.import_module('selfattn_nbdev.distributed')
+    args = tuple(_importable(a) if inspect.isfunction(a) else a for a in args)  # too
     ctx, port = mp.get_context('forkserver'), free_port()  # ranks forked from a server
     ctx.set_forkserver_preload(['torch.distributed.tensor'])  # torch, imported once
     with tempfile.TemporaryDirectory() as folder:

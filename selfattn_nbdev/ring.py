@@ -4,7 +4,7 @@
 
 # %% auto #0
 __all__ = ['sequence_chunks', 'shard_sequence', 'unshard_sequence', 'ring_attention', 'check_ring_attention', 'context_parallel',
-           'check_context_parallel', 'split_kv_attention']
+           'check_context_parallel', 'ulysses_attention', 'split_kv_attention']
 
 # %% ../nbs/16_ring.ipynb #9604e5be
 import math
@@ -255,7 +255,8 @@ def check_ring_attention(
     rank:int, world_size:int, # given by run_ranks
     cases:list, # (num_tokens, dtype, causal, order, kv_heads); 4 query heads
     seeds:int=1, # random sequences per case, seeded 0, 1, ...
-) -> list: # per case, the worst errors: {'ring', 'sdpa'}
+    attend=None, # the kernel on this rank's share (None: ring_attention; or Ulysses')
+) -> list: # per case, the worst errors: {'ring' (the kernel's), 'sdpa'}
     "On each rank: ring attention on this rank's share, SDPA on the whole sequence."
     import torch.nn.functional as F
     def sdpa(whole, grad_out, causal):  # output and gradients, on the whole sequence
@@ -277,7 +278,7 @@ def check_ring_attention(
             exact = sdpa([t.double() for t in whole], grad_out.double(), causal)
             kernel = sdpa(whole, grad_out, causal)
             mine = [shard(t).requires_grad_() for t in whole]
-            out = ring_attention(*mine, causal=causal, order=order)
+            out = (attend or ring_attention)(*mine, causal=causal, order=order)
             out.backward(shard(grad_out))
             for a, s, x in zip([out] + [m.grad for m in mine], kernel, exact):
                 worst['ring'] = max(worst['ring'], error(a, shard(x)))
@@ -291,6 +292,7 @@ def context_parallel(
     x:Tensor, # this rank's tokens, ([batch,] num_tokens // R, d_in): shard_sequence
     order:str='zigzag', # how the sequence was sharded: as in shard_sequence
     group=None, # the ranks of the ring (None: every rank)
+    attend=None, # the kernel: None, ring_attention; or ulysses_attention (below)
 ) -> Tensor: # this rank's share of the output, ([batch,] num_tokens // R, d_out)
     "`module` on this rank's share of a sequence; the weights' gradients are its share."
     if not isinstance(module, MultiHeadAttention):
@@ -324,7 +326,8 @@ def context_parallel(
     everywhere = torch.arange(num_tokens, device=x.device)[:, None]     # (T, 1)
     positions = shard_sequence(everywhere, rank, size, order)[:, 0]     # (T_local,)
     queries, keys, values = module._project(x, positions[None])  # RoPE: these places
-    context_vecs = ring_attention(queries, keys, values, module.causal, order, group)
+    attend = attend or ring_attention  # ring_attention's arguments, either way
+    context_vecs = attend(queries, keys, values, module.causal, order, group)
     out = module.out_proj(module._merge_heads(context_vecs))    # (b, T_local, d_out)
     return out.squeeze(0) if unbatched else out
 
@@ -333,6 +336,7 @@ def check_context_parallel(
     rank:int, world_size:int, # given by run_ranks
     configs:list, # MultiHeadAttention keyword arguments, one dict per layer tried
     order:str='zigzag', # how the sequence is sharded: as in shard_sequence
+    attend=None, # context_parallel's kernel (None: ring_attention)
 ) -> list: # per config: the largest differences from the layer on the whole sequence
     "On each rank: the layer on the whole sequence, and `context_parallel` on a share."
     results = []
@@ -347,7 +351,7 @@ def check_context_parallel(
         module.zero_grad()
         shard = lambda t: shard_sequence(t, rank, world_size, order)
         mine = shard(x.detach()).requires_grad_()
-        out = context_parallel(module, mine, order)
+        out = context_parallel(module, mine, order, attend=attend)
         (out ** 2).sum().backward()   # this rank's tokens' share of the same loss
         for p in module.parameters(): dist.all_reduce(p.grad)  # summed over ranks
         results.append({
@@ -356,6 +360,45 @@ def check_context_parallel(
             'grad_weights': max(_max_diff(p.grad, whole_grads[n])
                                 for n, p in module.named_parameters())})
     return results
+
+# %% ../nbs/16_ring.ipynb #u1y55e02
+def _trade(
+    t:Tensor, # (R, b, heads, n, head_dim): piece r goes to rank r
+    group=None, # the ranks (None: every rank)
+) -> Tensor: # (R, b, heads, n, head_dim): piece r came from rank r
+    "One all-to-all, through autograd: its backward is the trade in reverse."
+    import torch.distributed._functional_collectives as fc
+    traded = fc.all_to_all_single_autograd(t.flatten(0, 1), None, None,
+                                           group or dist.group.WORLD)
+    return fc.wait_tensor(traded).view_as(t)
+
+def ulysses_attention(
+    queries:Tensor, # this rank's queries, (b, heads, num_tokens // R, head_dim)
+    keys:Tensor,    # this rank's keys, (b, kv_heads, num_tokens // R, head_dim)
+    values:Tensor,  # this rank's values, the keys' shape
+    causal:bool=False, # query i sees keys 0..i only, in whole-sequence positions
+    order:str='zigzag', # how the sequence was sharded: as in shard_sequence
+    group=None, # the ranks (None: every rank)
+    scale:float|None=None, # c in softmax(c QKᵀ); None: 1/sqrt(head_dim), as SDPA
+) -> Tensor: # this rank's context vectors, (b, heads, num_tokens // R, head_dim)
+    "Attention over a sequence split across ranks: tokens traded for heads, and back."
+    _check_ring_inputs(queries, keys, values, causal, order, group)
+    R, (b, h, n, d) = dist.get_world_size(group), queries.shape
+    if queries.dim() != 4 or h % R:
+        raise ValueError(f"ulysses_attention gives every rank num_heads // R whole "
+                         f"heads: queries must be (b, heads, T, head_dim) with heads a "
+                         f"multiple of R={R}; got {tuple(queries.shape)}")
+    if keys.shape[1] % R:  # too few key/value heads to split: as many as the queries
+        keys, values = (repeat_kv(t, h // keys.shape[1]) for t in (keys, values))
+    def whole(t):  # (b, g, n, d), my tokens -> (b, g / R, R n, d), every token
+        pieces = t.unflatten(1, (R, -1)).transpose(0, 1)   # (R, b, g / R, n, d)
+        return unshard_sequence(list(_trade(pieces.contiguous(), group)), order)
+    q, k, v = whole(queries), whole(keys), whole(values)
+    context = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
+                                             enable_gqa=k.shape[1] < q.shape[1])
+    mine = torch.stack([shard_sequence(context, r, R, order) for r in range(R)])
+    return _trade(mine, group).transpose(0, 1).flatten(1, 2)  # (b, h, n, d)
+
 
 # %% ../nbs/16_ring.ipynb #211dcc2a
 def _check_split_kv(queries, keys, values, allowed, causal) -> None:

@@ -86,6 +86,18 @@ def test_checks_on_one_rank(one_rank):
     small = dict(d_in=16, d_out=32, context_length=8, num_heads=4, num_kv_heads=2, rope=True)
     for order in ('zigzag', 'contiguous'):
         assert max(check_context_parallel(0, 1, [small], order)[0].values()) < 1e-12
+    from selfattn_nbdev.ring import ulysses_attention   # and Ulysses', the same way
+    assert_within_bars(check_ring_attention(0, 1, cases, 2, ulysses_attention), cases)
+    assert max(check_context_parallel(0, 1, [small], 'zigzag', ulysses_attention)[0].values()) < 1e-12
+
+
+def test_ulysses_refuses_heads_the_ranks_do_not_divide(one_rank, monkeypatch):
+    "3 query heads on 2 ranks: refused by name before anything is sent (the world size read as 2 here)."
+    from selfattn_nbdev.ring import ulysses_attention
+    monkeypatch.setattr(dist, 'get_world_size', lambda group=None: 2)
+    queries = torch.randn(1, 3, 4, 8)
+    with pytest.raises(ValueError, match=r'num_heads // R whole heads.*multiple of R=2; got \(1, 3, 4, 8\)'):
+        ulysses_attention(queries, queries, queries, causal=True)
 
 
 def test_ring_refuses_what_it_cannot_take(one_rank):

@@ -383,11 +383,12 @@ def ulysses_attention(
 ) -> Tensor: # this rank's context vectors, (b, heads, num_tokens // R, head_dim)
     "Attention over a sequence split across ranks: tokens traded for heads, and back."
     _check_ring_inputs(queries, keys, values, causal, order, group)
-    R, (b, h, n, d) = dist.get_world_size(group), queries.shape
-    if queries.dim() != 4 or h % R:
+    R = dist.get_world_size(group)
+    if queries.dim() != 4 or queries.shape[1] % R:
         raise ValueError(f"ulysses_attention gives every rank num_heads // R whole "
                          f"heads: queries must be (b, heads, T, head_dim) with heads a "
                          f"multiple of R={R}; got {tuple(queries.shape)}")
+    b, h, n, d = queries.shape
     if keys.shape[1] % R:  # too few key/value heads to split: as many as the queries
         keys, values = (repeat_kv(t, h // keys.shape[1]) for t in (keys, values))
     def whole(t):  # (b, g, n, d), my tokens -> (b, g / R, R n, d), every token

@@ -98,6 +98,8 @@ def test_ulysses_refuses_heads_the_ranks_do_not_divide(one_rank, monkeypatch):
     queries = torch.randn(1, 3, 4, 8)
     with pytest.raises(ValueError, match=r'num_heads // R whole heads.*multiple of R=2; got \(1, 3, 4, 8\)'):
         ulysses_attention(queries, queries, queries, causal=True)
+    with pytest.raises(ValueError, match=r'queries must be \(b, heads, T, head_dim\).*got \(3, 4, 8\)'):
+        ulysses_attention(queries[0], queries[0], queries[0])      # no batch axis: named, not a failed unpacking
 
 
 def test_ring_refuses_what_it_cannot_take(one_rank):

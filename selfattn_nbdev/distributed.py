@@ -183,6 +183,14 @@ def check_tp_degree(
 # %% ../nbs/15_parallel.ipynb #c0pykv01
 _copy_groups = weakref.WeakKeyDictionary()  # mesh -> {copies: process groups}
 
+def _each_head(
+    t:Tensor, # rows of `heads` heads, head after head: (heads * hd[, d_in])
+    heads:int, # how many
+    copies:int, # how many times each head's rows are laid down
+) -> Tensor: # (heads * copies * hd[, d_in]): head 0's rows `copies` times, then 1's
+    "Each head's rows repeated side by side: what a rank of each copy then holds."
+    return t.unflatten(0, (heads, -1)).repeat_interleave(copies, 0).flatten(0, 1)
+
 def _copy_kv_heads(
     module:MultiHeadAttention, # G key/value heads, fewer than the ranks; changed
     mesh, # the 1-D DeviceMesh of the R ranks, R a multiple of G
@@ -199,8 +207,7 @@ def _copy_kv_heads(
         for name in ('weight', 'bias'):
             t = getattr(linear, name)
             if t is None: continue
-            rows = t.detach().unflatten(0, (G, hd))                 # (G, hd[, d_in])
-            copied = rows.repeat_interleave(copies, 0).flatten(0, 1)  # (R hd[, d_in])
+            copied = _each_head(t.detach(), G, copies)              # (R hd[, d_in])
             setattr(linear, name, nn.Parameter(copied))
         linear.out_features = R * hd
     vars(module)['num_kv_heads'] = R  # a setting, changed with the weights
@@ -254,8 +261,7 @@ def _grad_diffs(
         if p.shape[0] != g.shape[0]:  # R copies of G heads' rows, in the order laid
             attn = '.'.join(name.split('.')[:-2])  # 'W_key.weight' in the module
             G = whole.get_submodule(attn).num_kv_heads
-            per_head = g.unflatten(0, (G, -1))                    # (G, hd[, d_in])
-            g = per_head.repeat_interleave(p.shape[0] // g.shape[0], 0).flatten(0, 1)
+            g = _each_head(g, G, p.shape[0] // g.shape[0])        # (R hd[, d_in])
         diffs.append(_max_diff(p.grad, g))
     return diffs
 

@@ -389,6 +389,7 @@ def ulysses_attention(
                          f"heads: queries must be (b, heads, T, head_dim) with heads a "
                          f"multiple of R={R}; got {tuple(queries.shape)}")
     b, h, n, d = queries.shape
+    scale = _scale_of(scale, d)  # checked as the ring checks it
     if keys.shape[1] % R:  # too few key/value heads to split: as many as the queries
         keys, values = (repeat_kv(t, h // keys.shape[1]) for t in (keys, values))
     def whole(t):  # (b, g, n, d), my tokens -> (b, g / R, R n, d), every token

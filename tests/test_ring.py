@@ -71,6 +71,16 @@ def test_context_parallel_two_ranks():
             assert max(rank_results[0].values()) < 1e-12, (order, rank_results)
 
 
+@pytest.mark.slow
+def test_ulysses_two_ranks():
+    """Ulysses on 2 ranks, where 2 key/value heads split (one a rank, the GQA path after the trade) and 4 do: forward and
+    backward equal SDPA on the whole sequence (the page runs 4 ranks, where 2 key/value heads are repeated)."""
+    from selfattn_nbdev.ring import ulysses_attention
+    cases = [case for case in CASES if case[0] == 16 and case[1] == torch.float64] + CASES[:4]
+    for rank_results in run_ranks(check_ring_attention, 2, cases, 2, ulysses_attention):
+        assert_within_bars(rank_results, cases)
+
+
 @pytest.fixture
 def one_rank():
     "A gloo group of one rank in this process."
@@ -100,6 +110,10 @@ def test_ulysses_refuses_heads_the_ranks_do_not_divide(one_rank, monkeypatch):
         ulysses_attention(queries, queries, queries, causal=True)
     with pytest.raises(ValueError, match=r'queries must be \(b, heads, T, head_dim\).*got \(3, 4, 8\)'):
         ulysses_attention(queries[0], queries[0], queries[0])      # no batch axis: named, not a failed unpacking
+    monkeypatch.undo()
+    four = torch.randn(1, 4, 4, 8)
+    with pytest.raises(ValueError, match=r'scale must be None .* got 0'):  # as the ring checks it
+        ulysses_attention(four, four, four, scale=0)
 
 
 def test_ring_refuses_what_it_cannot_take(one_rank):

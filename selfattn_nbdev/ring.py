@@ -8,6 +8,8 @@ __all__ = ['sequence_chunks', 'shard_sequence', 'unshard_sequence', 'ring_attent
 
 # %% ../nbs/16_ring.ipynb #9604e5be
 import math
+from contextlib import nullcontext
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -19,9 +21,14 @@ from .causal import causal_allowed, check_context
 from .core import check_flag, check_size, check_tokens
 from .distributed import _max_diff
 from .gqa_window_rope import repeat_kv
-from .multihead import MultiHeadAttention
+from .kernels import _check_document_ids
+from .llama_attention import _held
+from .masks import (_ask, _check_mask_mods, block_mask, call_mask_mod,
+                                  document_positions)
+from .multihead import MultiHeadAttention, _check_padding_mask
 from .tiled import (_check_attention_inputs, _check_causal_fits,
-                                  _scale_of, _tile_scores, online_softmax_step)
+                                  _check_score_changes, _scale_of, _tile_scores,
+                                  online_softmax_step, tiled_attention)
 
 # %% ../nbs/16_ring.ipynb #49b44e6f
 def sequence_chunks(
@@ -123,6 +130,25 @@ def _fold_heads(t:Tensor, groups:int) -> Tensor:
     "Sum each group of `groups` heads into its shared head: `_share_heads` transposed."
     return t if groups == 1 else t.unflatten(-3, (-1, groups)).sum(-3)
 
+# %% ../nbs/16_ring.ipynb #r1ng7i1e
+def _ring_tile(
+    q:Tensor, k:Tensor, # chunks of queries (times the scale) and keys, (..., c, hd)
+    q0:int, k0:int,     # the whole-sequence positions of their first tokens
+    causal:bool,        # as in ring_attention
+    mask_mod:Callable|None=None,  # predicate (b, h, q_idx, kv_idx) -> bool, or None
+    score_mod:Callable|None=None, # (s, b, h, q_idx, kv_idx) -> s, or None
+) -> Tensor|None: # scores (..., c, c), -inf where hidden; None: the tile is hidden
+    "One tile of the ring: tiled attention's, with a mask asked at its positions."
+    if mask_mod is None: return _tile_scores(q, k, q0, k0, causal, score_mod)
+    *lead, c_q, _ = q.shape
+    b, h = lead[-2:] if len(lead) >= 2 else (1, 1)
+    arange = lambda start, n: torch.arange(start, start + n, device=q.device)
+    visible = _ask(mask_mod, arange(q0, c_q), arange(k0, k.shape[-2]), b, h)
+    if not visible.any(): return None               # skipped: no score computed
+    attn_scores = _tile_scores(q, k, q0, k0, causal, score_mod)     # (..., c, c)
+    if attn_scores.dim() < 4: visible = visible[0, 0]               # (c, c)
+    return attn_scores.masked_fill(~visible, -math.inf)
+
 # %% ../nbs/16_ring.ipynb #0f3891d0
 def _ring_forward(
     queries:Tensor, # this rank's queries, (..., heads, T_local, head_dim)
@@ -130,6 +156,8 @@ def _ring_forward(
     values:Tensor,  # this rank's values, the keys' shape
     causal:bool, order:str, group, # as in ring_attention
     scale:float, # c: the scores are c QKᵀ
+    mask_mod=None, score_mod=None, # as in _ring_tile
+    sinks:Tensor|None=None, # one more logit per head, (heads,), or None
 ) -> tuple: # context vectors (..., T_local, head_dim) and L (..., T_local, 1)
     "Fold every rank's key/value block into the online softmax as it passes by."
     rank, size = dist.get_rank(group), dist.get_world_size(group)
@@ -138,21 +166,26 @@ def _ring_forward(
     q_chunks = (queries * scale).split(chunk, dim=-2)  # as the backward: same scores
     m = [q.new_full(q.shape[:-1] + (1,), -math.inf) for q in q_chunks]  # (.., c, 1)
     l = [torch.zeros_like(mi) for mi in m]                               # (.., c, 1)
+    if sinks is not None:  # the sink's e^(σ - m) starts every sum: m = σ, l = 1
+        m, l = [mi.copy_(sinks[:, None, None]) for mi in m], [li + 1 for li in l]
     acc = [torch.zeros_like(q) for q in q_chunks]                        # (.., c, hd)
     block = torch.stack([keys, values])  # (2, ..., kv_heads, T_local, hd): one message
     for step in range(size):
         if step < size - 1: pending, incoming = _pass_on(block, group)  # overlaps
         k_chunks, v_chunks = (_share_heads(t, groups).split(chunk, -2) for t in block)
         for i, j, qc, kc in _ring_pairs(rank, step, size, order, causal):
-            attn_scores = _tile_scores(q_chunks[i], k_chunks[j], qc * chunk,
-                                       kc * chunk, causal)               # (.., c, c)
+            attn_scores = _ring_tile(q_chunks[i], k_chunks[j], qc * chunk, kc * chunk,
+                                     causal, mask_mod, score_mod)        # (.., c, c)
+            if attn_scores is None: continue                      # a hidden tile
             m[i], l[i], rescale, exp_scores = online_softmax_step(m[i], l[i],
                                                                   attn_scores)
             acc[i] = acc[i] * rescale + exp_scores @ v_chunks[j]
         if step < size - 1:
             for p in pending: p.wait()
             block = incoming
-    context_vecs = torch.cat([a / li for a, li in zip(acc, l)], dim=-2)  # z = a / l
+    # z = a / l; a query that sees no key at all (l = 0) gets 0, not 0 / 0
+    context_vecs = torch.cat([a / li.masked_fill(li == 0, 1.0)
+                              for a, li in zip(acc, l)], dim=-2)
     lse = torch.cat([mi + torch.log(li) for mi, li in zip(m, l)], dim=-2)
     return context_vecs, lse
 
@@ -162,57 +195,81 @@ def _ring_backward(
     queries:Tensor, keys:Tensor, values:Tensor, # this rank's, as in the forward
     context_vecs:Tensor, lse:Tensor, # the forward's O and L for this rank's queries
     causal:bool, order:str, group, scale:float, # as in the forward
-) -> tuple: # dQ, dK, dV for this rank's queries, keys and values
+    mask_mod=None, score_mod=None, sinks=None, # as in the forward
+) -> tuple: # dQ, dK, dV for this rank's queries, keys and values; dσ or None
     "Send the key/value blocks round again, with their gradients riding along."
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     chunk = queries.shape[-2] // len(sequence_chunks(rank, size, order))
     groups = _kv_groups(queries, keys)
     split = lambda t: list(t.split(chunk, dim=-2))  # views; += writes through
+    lse = lse.masked_fill(lse == -math.inf, math.inf)  # a query that saw nothing: P = 0
     D = (grad_context * context_vecs).sum(-1, keepdim=True)          # (..., T_local, 1)
+    grad_sinks = None if sinks is None else -(torch.exp(       # dσ = -Σ p_sink D
+        sinks[:, None, None] - lse) * D).sum((0, 2, 3))
     q_chunks, dO = split(queries * scale), split(grad_context)
     L, D = split(lse), split(D)
     grad_queries = torch.zeros_like(queries)
     dq = split(grad_queries)                     # views: += writes into grad_queries
     block = torch.stack([keys, values])          # (2, ..., kv_heads, T_local, hd)
-    grad_block = torch.zeros_like(block)         # dK, dV of the block: travel with it
+    travelling = None  # the block's dK, dV from the ranks before: sent, not yet waited
     for step in range(size):
         if step < size - 1: pending, incoming = _pass_on(block, group)
         k_chunks, v_chunks = (split(_share_heads(t, groups)) for t in block)
+        grad_block = torch.zeros_like(block)     # this rank's share of the block's
         dk, dv = split(grad_block[0]), split(grad_block[1])
         for i, j, qc, kc in _ring_pairs(rank, step, size, order, causal):
-            attn_scores = _tile_scores(q_chunks[i], k_chunks[j], qc * chunk,
-                                       kc * chunk, causal)
+            q_i, k_j = q_chunks[i], k_chunks[j]
+            if score_mod is not None:  # its chain rule by autograd, on this tile only
+                q_i, k_j = (t.detach().requires_grad_() for t in (q_i, k_j))
+            with torch.enable_grad() if score_mod is not None else nullcontext():
+                attn_scores = _ring_tile(q_i, k_j, qc * chunk, kc * chunk, causal,
+                                         mask_mod, score_mod)
+            if attn_scores is None: continue                    # a hidden tile
             attn_weights = torch.exp(attn_scores - L[i])               # P (.., c, c)
             dv[j] += _fold_heads(attn_weights.transpose(-2, -1) @ dO[i], groups)
             grad_scores = attn_weights * (dO[i] @ v_chunks[j].transpose(-2, -1) - D[i])
-            dq[i] += grad_scores @ k_chunks[j] * scale
-            dk[j] += _fold_heads(grad_scores.transpose(-2, -1) @ q_chunks[i], groups)
+            if score_mod is None:
+                dq[i] += grad_scores @ k_j * scale
+                dk[j] += _fold_heads(grad_scores.transpose(-2, -1) @ q_i, groups)
+            else:  # dS through the score function to Q and K
+                grad_q, grad_k = torch.autograd.grad(attn_scores, (q_i, k_j),
+                                                     grad_scores)
+                dq[i] += grad_q * scale
+                dk[j] += _fold_heads(grad_k, groups)
+        if travelling is not None:  # what the ranks before owe: waited for only now
+            for p in travelling[0]: p.wait()
+            grad_block += travelling[1]
         if size > 1:  # dK, dV go on with their block: home after size passes
-            grad_pending, grad_block = _pass_on(grad_block, group, tag=1)
-            for p in grad_pending: p.wait()
+            travelling = _pass_on(grad_block, group, tag=1)
         if step < size - 1:
             for p in pending: p.wait()
             block = incoming
-    return grad_queries, grad_block[0], grad_block[1]  # home after size passes
+    if travelling is not None:
+        for p in travelling[0]: p.wait()
+        grad_block = travelling[1]               # this rank's block, back home
+    return grad_queries, grad_block[0], grad_block[1], grad_sinks
 
 # %% ../nbs/16_ring.ipynb #6e567c3d
 class _RingAttention(torch.autograd.Function):
     "Ring attention whose backward sends the blocks round again (no T x T kept)."
     @staticmethod
-    def forward(ctx, queries, keys, values, causal, order, group, scale):
+    def forward(ctx, queries, keys, values, causal, order, group, scale,
+                mask_mod=None, score_mod=None, sinks=None):
         "Go round the ring once; save the local inputs, the output and L."
         context_vecs, lse = _ring_forward(queries, keys, values, causal, order, group,
-                                          scale)
-        ctx.save_for_backward(queries, keys, values, context_vecs, lse)
-        ctx.settings = causal, order, group, scale
+                                          scale, mask_mod, score_mod, sinks)
+        ctx.save_for_backward(queries, keys, values, context_vecs, lse, sinks)
+        ctx.settings = causal, order, group, scale, mask_mod, score_mod
         return context_vecs
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_context):
-        "Gradients of this rank's queries, keys and values; none for the rest."
-        grads = _ring_backward(grad_context, *ctx.saved_tensors, *ctx.settings)
-        return *grads, None, None, None, None
+        "Gradients of this rank's queries, keys and values (and sinks); none else."
+        *saved, sinks = ctx.saved_tensors
+        *grads, grad_sinks = _ring_backward(grad_context, *saved, *ctx.settings,
+                                            sinks)
+        return *grads, None, None, None, None, None, None, grad_sinks
 
 # %% ../nbs/16_ring.ipynb #d55ebd24
 def _check_ring_inputs(queries, keys, values, causal, order, group):
@@ -244,11 +301,18 @@ def ring_attention(
     order:str='zigzag', # how the sequence was sharded: as in shard_sequence
     group=None, # the ranks of the ring (None: every rank)
     scale:float|None=None, # c in softmax(c QKᵀ); None: 1/sqrt(head_dim), as SDPA
+    mask_mod:Callable|None=None, # (b, h, q_idx, kv_idx) -> bool, True = attend
+    score_mod:Callable|None=None, # (s, b, h, q_idx, kv_idx) -> s, before the mask
+    sinks:Tensor|None=None, # (heads,): one more logit per head, with no value
 ) -> Tensor: # this rank's context vectors, (..., num_tokens // R, head_dim)
     "Attention over a sequence split across ranks: key/value blocks go round a ring."
     _check_ring_inputs(queries, keys, values, causal, order, group)
     scale = _scale_of(scale, queries.shape[-1])
-    return _RingAttention.apply(queries, keys, values, causal, order, group, scale)
+    if mask_mod is not None: _check_mask_mods((mask_mod,), 'ring_attention')
+    _check_score_changes(score_mod, sinks, queries)
+    if sinks is not None: sinks = sinks.to(queries.dtype)
+    return _RingAttention.apply(queries, keys, values, causal, order, group, scale,
+                                mask_mod, score_mod, sinks)
 
 # %% ../nbs/16_ring.ipynb #7ef6b0dc
 def check_ring_attention(
@@ -293,6 +357,8 @@ def context_parallel(
     order:str='zigzag', # how the sequence was sharded: as in shard_sequence
     group=None, # the ranks of the ring (None: every rank)
     attend=None, # the kernel: None, ring_attention; or ulysses_attention (below)
+    key_padding_mask:Tensor|None=None, # bool ([batch,] num_tokens): the WHOLE sequence
+    document_ids:Tensor|None=None, # int ([batch,] num_tokens): the WHOLE sequence's
 ) -> Tensor: # this rank's share of the output, ([batch,] num_tokens // R, d_out)
     "`module` on this rank's share of a sequence; the weights' gradients are its share."
     if not isinstance(module, MultiHeadAttention):
@@ -300,13 +366,10 @@ def context_parallel(
                         f"{type(module).__name__}")
     weight = module.W_query.weight
     check_tokens(x, module.d_in, weight.dtype, weight.device)
-    refused = {'window': module.window, 'softcap': getattr(module, 'softcap', None),
-               'sinks': getattr(module, 'sinks', None) is not None,  # a logit or None
-               'dropout': module.dropout.p if module.training else 0.0}
-    for name, value in refused.items():
-        if value:  # used by this module: None, False and 0 are not
-            raise ValueError(f"context_parallel runs causal or full attention without "
-                             f"{name}; got {name}={value} (training={module.training})")
+    if module.training and module.dropout.p:  # a mask the backward cannot redraw
+        raise ValueError(f"context_parallel runs attention without dropout; got "
+                         f"dropout={module.dropout.p} (training=True): call .eval() "
+                         f"or build the layer with dropout=0")
     rope = (getattr(module, 'rope_scaling', None) or {}).get('rope_type')
     if rope in ('dynamic', 'longrope'):  # frequencies from the longest position seen
         raise ValueError(f"context_parallel cannot shard rope_scaling of rope_type "
@@ -321,37 +384,64 @@ def context_parallel(
                          f"{num_local}")
     num_tokens = size * num_local                        # the whole sequence's length
     check_context(num_tokens, module.context_length)
+    whole = torch.empty(*x.shape[:-2], num_tokens, 0, device='meta')  # its shape
+    _check_padding_mask(key_padding_mask, whole)
+    _check_document_ids(document_ids, whole)
     unbatched = x.dim() == 2
-    if unbatched: x = x.unsqueeze(0)                     # (1, T_local, d_in)
-    everywhere = torch.arange(num_tokens, device=x.device)[:, None]     # (T, 1)
-    positions = shard_sequence(everywhere, rank, size, order)[:, 0]     # (T_local,)
-    queries, keys, values = module._project(x, positions[None])  # RoPE: these places
+    if unbatched:  # a batch axis of 1, on x and on what it is given whole
+        x, key_padding_mask, document_ids = (None if t is None else t[None] for t in
+                                             (x, key_padding_mask, document_ids))
+    shard = lambda t: shard_sequence(t[..., None], rank, size, order)[..., 0]
+    if document_ids is not None and module.rope:  # each document starts again at 0
+        positions = shard(document_positions(document_ids))      # (b, T_local)
+    else: positions = shard(torch.arange(num_tokens, device=x.device)[None])
+    if key_padding_mask is not None:  # as forward: what padding holds reaches no sum
+        x = torch.where(shard(key_padding_mask)[..., None],
+                        x.nan_to_num(0.0, 0.0, 0.0), x)
+    queries, keys, values = module._project(x, positions)  # RoPE: at these places
+    if keys is None:  # a layer that reads another layer's keys and values (KV sharing)
+        raise ValueError(f"context_parallel runs a layer on its own keys and values; "
+                         f"this {type(module).__name__} reuses another layer's (KV "
+                         f"sharing), so it runs only inside its model")
+    mask_mod = (call_mask_mod(module.causal, module.window, key_padding_mask,
+                              document_ids)
+                if module.window or key_padding_mask is not None
+                or document_ids is not None else None)    # else causal, or none
+    sinks = getattr(module, 'sinks', None)  # LlamaAttention's: sinks, a soft cap
+    score_mod = module._score_mod() if hasattr(module, '_score_mod') else None
+    parts = dict(mask_mod=mask_mod, score_mod=score_mod,
+                 sinks=None if sinks is None else _held(sinks))
     attend = attend or ring_attention  # ring_attention's arguments, either way
-    context_vecs = attend(queries, keys, values, module.causal, order, group)
+    context_vecs = attend(queries, keys, values, module.causal, order, group,
+                          **{name: p for name, p in parts.items() if p is not None})
     out = module.out_proj(module._merge_heads(context_vecs))    # (b, T_local, d_out)
     return out.squeeze(0) if unbatched else out
 
 # %% ../nbs/16_ring.ipynb #32f03669
 def check_context_parallel(
     rank:int, world_size:int, # given by run_ranks
-    configs:list, # MultiHeadAttention keyword arguments, one dict per layer tried
+    configs:list, # the layer's keyword arguments, one dict per layer tried
     order:str='zigzag', # how the sequence is sharded: as in shard_sequence
     attend=None, # context_parallel's kernel (None: ring_attention)
+    module_class:type=MultiHeadAttention, # the layers' class (LlamaAttention, ...)
+    mask_inputs:dict|None=None, # key_padding_mask, document_ids: (2, context_length)
 ) -> list: # per config: the largest differences from the layer on the whole sequence
     "On each rank: the layer on the whole sequence, and `context_parallel` on a share."
-    results = []
+    results, mask_inputs = [], mask_inputs or {}
     for config in configs:
         torch.manual_seed(0)  # the same weights and tokens on every rank
-        module = MultiHeadAttention(**config).double()
-        x = torch.randn(2, config['context_length'], config['d_in'],
+        module = module_class(**config).double()
+        if getattr(module, 'sinks', None) is not None:  # 0 at first: make them count
+            torch.nn.init.normal_(module.sinks)
+        x = torch.randn(2, module.context_length, module.d_in,
                         dtype=torch.float64, requires_grad=True)
-        whole = module(x)
+        whole = module(x, **mask_inputs)
         (whole ** 2).sum().backward()
         whole_grads = {n: p.grad.clone() for n, p in module.named_parameters()}
         module.zero_grad()
         shard = lambda t: shard_sequence(t, rank, world_size, order)
         mine = shard(x.detach()).requires_grad_()
-        out = context_parallel(module, mine, order, attend=attend)
+        out = context_parallel(module, mine, order, attend=attend, **mask_inputs)
         (out ** 2).sum().backward()   # this rank's tokens' share of the same loss
         for p in module.parameters(): dist.all_reduce(p.grad)  # summed over ranks
         results.append({
@@ -372,6 +462,27 @@ def _trade(
                                            group or dist.group.WORLD)
     return fc.wait_tensor(traded).view_as(t)
 
+def _attend_heads(
+    q:Tensor, k:Tensor, v:Tensor, # every token of this rank's heads, (b, h / R, T, hd)
+    causal:bool, scale:float, # as in ulysses_attention
+    first:int, # the whole layer's index of this rank's first head
+    mask_mod=None, score_mod=None, sinks=None, # as in ulysses_attention; all heads'
+) -> Tensor: # (b, h / R, T, hd)
+    "SDPA; with a mask, scores or sinks, the tiled kernel, asked about these heads."
+    if mask_mod is None and score_mod is None and sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
+                                              enable_gqa=k.shape[1] < q.shape[1])
+    (b, h, T, _), kv = q.shape, k.shape[1]
+    k, v = repeat_kv(k, h // kv), repeat_kv(v, h // kv)   # (b, h / R, T, hd)
+    tiles = None if mask_mod is None else block_mask(     # heads first, first + 1, ..
+        lambda b_, h_, q_idx, kv_idx: mask_mod(b_, h_ + first, q_idx, kv_idx),
+        T, batch=b, heads=h, device=q.device)
+    scores = None if score_mod is None else (
+        lambda s, b_, h_, q_idx, kv_idx: score_mod(s, b_, h_ + first, q_idx, kv_idx))
+    return tiled_attention(q, k, v, causal, block_mask=tiles, score_mod=scores,
+                           sinks=None if sinks is None else sinks[first:first + h],
+                           scale=scale)
+
 def ulysses_attention(
     queries:Tensor, # this rank's queries, (b, heads, num_tokens // R, head_dim)
     keys:Tensor,    # this rank's keys, (b, kv_heads, num_tokens // R, head_dim)
@@ -380,6 +491,9 @@ def ulysses_attention(
     order:str='zigzag', # how the sequence was sharded: as in shard_sequence
     group=None, # the ranks (None: every rank)
     scale:float|None=None, # c in softmax(c QKᵀ); None: 1/sqrt(head_dim), as SDPA
+    mask_mod:Callable|None=None, # (b, h, q_idx, kv_idx) -> bool, as in ring_attention
+    score_mod:Callable|None=None, # (s, b, h, q_idx, kv_idx) -> s, before the mask
+    sinks:Tensor|None=None, # (heads,): one more logit per head, with no value
 ) -> Tensor: # this rank's context vectors, (b, heads, num_tokens // R, head_dim)
     "Attention over a sequence split across ranks: tokens traded for heads, and back."
     _check_ring_inputs(queries, keys, values, causal, order, group)
@@ -390,17 +504,18 @@ def ulysses_attention(
                          f"multiple of R={R}; got {tuple(queries.shape)}")
     b, h, n, d = queries.shape
     scale = _scale_of(scale, d)  # checked as the ring checks it
+    if mask_mod is not None: _check_mask_mods((mask_mod,), 'ulysses_attention')
+    _check_score_changes(score_mod, sinks, queries)
     if keys.shape[1] % R:  # too few key/value heads to split: as many as the queries
         keys, values = (repeat_kv(t, h // keys.shape[1]) for t in (keys, values))
     def whole(t):  # (b, g, n, d), my tokens -> (b, g / R, R n, d), every token
         pieces = t.unflatten(1, (R, -1)).transpose(0, 1)   # (R, b, g / R, n, d)
         return unshard_sequence(list(_trade(pieces.contiguous(), group)), order)
-    q, k, v = whole(queries), whole(keys), whole(values)
-    context = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
-                                             enable_gqa=k.shape[1] < q.shape[1])
+    first = dist.get_rank(group) * (h // R)  # this rank's heads: first, first + 1, ..
+    context = _attend_heads(whole(queries), whole(keys), whole(values), causal, scale,
+                            first, mask_mod, score_mod, sinks)   # (b, h / R, T, d)
     mine = torch.stack([shard_sequence(context, r, R, order) for r in range(R)])
     return _trade(mine, group).transpose(0, 1).flatten(1, 2)  # (b, h, n, d)
-
 
 # %% ../nbs/16_ring.ipynb #211dcc2a
 def _check_split_kv(queries, keys, values, allowed, causal) -> None:

@@ -81,6 +81,21 @@ def test_ulysses_two_ranks():
         assert_within_bars(rank_results, cases)
 
 
+@pytest.mark.slow
+def test_masks_scores_and_sinks_on_two_ranks():
+    """A layer with a window, a soft cap and sinks over packed documents with padding, on 2 ranks, both orders, both
+    kernels (the page runs zig-zag on 4): output and gradients equal the whole layer's."""
+    from selfattn_nbdev.llama_attention import LlamaAttention
+    from selfattn_nbdev.ring import ulysses_attention
+    config = dict(d_model=16, context_length=12, num_heads=4, num_kv_heads=2, window=3, softcap=1.5, sinks=True)
+    packed = dict(key_padding_mask=torch.arange(12) >= torch.tensor([[12], [9]]),
+                  document_ids=torch.tensor([[0] * 5 + [1] * 7, [0] * 2 + [1] * 4 + [2] * 6]))
+    for order in ('zigzag', 'contiguous'):
+        for attend in (None, ulysses_attention):
+            for rank_results in run_ranks(check_context_parallel, 2, [config], order, attend, LlamaAttention, packed):
+                assert max(rank_results[0].values()) < 1e-12, (order, attend, rank_results)
+
+
 @pytest.fixture
 def one_rank():
     "A gloo group of one rank in this process."
@@ -133,25 +148,78 @@ def test_ring_refuses_what_it_cannot_take(one_rank):
     with pytest.raises(TypeError, match='MultiHeadAttention'): context_parallel(nn.Linear(16, 32), torch.randn(2, 8, 16))
 
 
-def test_context_parallel_refuses_scores_the_ring_does_not_compute():
-    """The ring computes plain softmax attention: a soft cap or sink logits would be dropped, silently wrong (0.05, 0.8);
-    so would a window or dropout."""
+def test_context_parallel_refuses_what_it_cannot_run(one_rank):
+    """Dropout (a mask the backward cannot draw again), a layer that reuses another layer's keys and values (Gemma 4's
+    KV sharing: no keys of its own), and padding or document ids not shaped as the whole sequence."""
     from selfattn_nbdev import MultiHeadAttention
-    from selfattn_nbdev.llama_attention import LlamaAttention
+    from selfattn_nbdev.gemma4 import Gemma4Attention
     from selfattn_nbdev.ring import context_parallel, sequence_chunks, shard_sequence
     x = torch.randn(1, 8, 16)
-    with pytest.raises(ValueError, match='without softcap; got softcap=1.0'):
-        context_parallel(LlamaAttention(16, 8, num_heads=4, num_kv_heads=2, softcap=1.0), x)
-    with pytest.raises(ValueError, match='without sinks; got sinks=True'):
-        context_parallel(LlamaAttention(16, 8, num_heads=4, num_kv_heads=2, sinks=True), x)
-    with pytest.raises(ValueError, match='without window; got window=2'):
-        context_parallel(MultiHeadAttention(16, 16, 8, num_heads=4, window=2), x)
     with pytest.raises(ValueError, match=r'without dropout; got dropout=0.1 \(training=True\)'):
         context_parallel(MultiHeadAttention(16, 16, 8, num_heads=4, dropout=0.1), x)
+    shared = Gemma4Attention(16, 8, num_heads=4, num_kv_heads=2, head_dim=4, shares_kv=True)
+    with pytest.raises(ValueError, match=r"this Gemma4Attention reuses another layer's \(KV sharing\)"):
+        context_parallel(shared, x)
+    layer = MultiHeadAttention(16, 16, 8, num_heads=4)
+    with pytest.raises(TypeError, match='key_padding_mask must be a bool tensor'):
+        context_parallel(layer, x, key_padding_mask=torch.zeros(1, 8))
+    with pytest.raises(ValueError, match=r'key_padding_mask must have shape \(batch, num_tokens\) = \(1, 8\)'):
+        context_parallel(layer, x, key_padding_mask=torch.zeros(1, 4, dtype=torch.bool))   # the share's, not the whole
+    with pytest.raises(TypeError, match=r'document_ids must be an integer tensor of shape \(1, 8\)'):
+        context_parallel(layer, x, document_ids=torch.zeros(1, 8))
+    with pytest.raises(ValueError, match=r'document_ids must have shape \(8,\)'):
+        context_parallel(layer, x[0], document_ids=torch.zeros(1, 8, dtype=torch.long))   # unbatched x: (T,)
     for rank in (2, -1, 1.0, True):   # a rank outside the world gave another rank's chunks
         with pytest.raises(ValueError, match=r'rank must be an int in \[0, world_size=2\)'):
             shard_sequence(torch.arange(8.)[:, None], rank, 2)
     with pytest.raises(ValueError, match='world_size'): sequence_chunks(0, 0)
+
+
+def test_context_parallel_runs_what_the_layer_runs(one_rank):
+    """On one rank context_parallel is the layer: a window, a soft cap and sinks (refused until the ring took masks,
+    scores and sinks), packed documents with padding, batched and unbatched, by both kernels; float64, output and the
+    gradients of x and of every weight (the sinks' included)."""
+    from selfattn_nbdev.llama_attention import LlamaAttention
+    from selfattn_nbdev.ring import context_parallel, ulysses_attention
+    torch.manual_seed(0)
+    layer = LlamaAttention(16, 12, num_heads=4, num_kv_heads=2, window=3, softcap=1.5, sinks=True).double()
+    torch.nn.init.normal_(layer.sinks)
+    padding = torch.arange(12) >= torch.tensor([[12], [7]])
+    docs = torch.tensor([[0] * 5 + [1] * 7, [0] * 2 + [1] * 10])
+    for attend in (None, ulysses_attention):
+        for inputs in ({}, dict(key_padding_mask=padding, document_ids=docs)):
+            for batched in (True, False):
+                x = torch.randn(2, 12, 16, dtype=torch.float64)
+                if not batched: x, inputs = x[1], {k: v[1] for k, v in inputs.items()}
+                grads = []
+                for run in (lambda t: layer(t, **inputs), lambda t: context_parallel(layer, t, attend=attend, **inputs)):
+                    layer.zero_grad()
+                    t = x.clone().requires_grad_()
+                    out = run(t)
+                    (out ** 2).sum().backward()
+                    grads.append([out, t.grad] + [p.grad.clone() for p in layer.parameters()])
+                assert grads[1][-1].abs().max() > 0   # the sinks' gradient is there, and compared
+                for a, b in zip(*grads):
+                    assert (a - b).abs().max() < 1e-12, (attend, inputs.keys(), batched)
+
+
+def test_the_ring_skips_the_tiles_a_mask_hides(one_rank, monkeypatch):
+    """Two documents that meet at the chunk boundary: of the 3 causal tiles of one rank's two zig-zag chunks, the one
+    whose queries are the second document and whose keys the first is hidden whole, and no scores are computed for it
+    (forward and backward); the answer is the masked SDPA's."""
+    import torch.nn.functional as F
+    import selfattn_nbdev.ring as ring
+    from selfattn_nbdev.masks import documents
+    computed, tile_scores = [], ring._tile_scores
+    monkeypatch.setattr(ring, '_tile_scores', lambda q, k, q0, k0, *a: computed.append((q0, k0)) or tile_scores(q, k, q0, k0, *a))
+    docs = torch.tensor([[0] * 8 + [1] * 8])
+    q, k, v = (torch.randn(1, 2, 16, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    out = ring.ring_attention(q, k, v, causal=True, mask_mod=documents(docs))
+    out.sum().backward()
+    assert sorted(set(computed)) == [(0, 0), (8, 8)] and len(computed) == 4, computed
+    same = (docs[0][:, None] == docs[0][None]) & torch.ones(16, 16, dtype=torch.bool).tril()
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=same)
+    assert (out - expected).abs().max() < 1e-12
 
 
 @pytest.mark.heavy  # starts ranks

@@ -1,6 +1,7 @@
 """Ring attention and context parallelism (nbs/16_ring.ipynb) on gloo CPU ranks: against SDPA on 2 ranks for every
-order, mask, dtype and key/value head count over five seeds, a whole layer on 2 ranks in both orders, the torchrun
-script the page shows; and every check on one rank in this process, so that coverage sees the code the ranks run.
+order, mask, dtype and key/value head count over five seeds, a whole layer on 2 ranks in both orders (and one with a
+window, a soft cap and sinks over packed documents with padding, by both kernels), the torchrun script the page shows;
+and every check on one rank in this process, so that coverage sees the code the ranks run.
 
 The bars are bounds any correct implementation meets, whatever the CPU: in float32, within 1e-5 of the float64 answer by
 torch.testing's measure with atol = rtol (|a - x| / (1 + |x|)), as PyTorch's own float32 SDPA is; in float64, within

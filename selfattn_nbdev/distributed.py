@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import Tensor, nn
 
-from .core import check_size
+from .core import check_flag, check_size
 from .multihead import MultiHeadAttention
 
 # %% ../nbs/15_parallel.ipynb #fb609b54
@@ -132,14 +132,19 @@ def run_ranks(
 # %% ../nbs/15_parallel.ipynb #c27785dc
 def tp_plan(
     module:MultiHeadAttention, # the attention to split by heads
+    sequence_parallel:bool=False, # out_proj leaves each rank a share of the tokens
 ) -> dict: # {submodule name: ParallelStyle}, for parallelize_module
     "Column-wise W_query, W_key, W_value (whole heads per rank), row-wise out_proj."
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
     if not isinstance(module, MultiHeadAttention):
         raise TypeError(f"tp_plan needs a MultiHeadAttention; "
                         f"got {type(module).__name__}")
+    check_flag(sequence_parallel, 'sequence_parallel')  # below: a later section's
+    out = Shard(1) if sequence_parallel else Replicate()  # the sum: cut, or whole
     return {'W_query': ColwiseParallel(), 'W_key': ColwiseParallel(),
-            'W_value': ColwiseParallel(), 'out_proj': RowwiseParallel()}
+            'W_value': ColwiseParallel(),
+            'out_proj': RowwiseParallel(output_layouts=out)}
 
 # %% ../nbs/15_parallel.ipynb #faf443b7
 def _not_by_heads(module:MultiHeadAttention) -> str|None: # why not, or None: it can
@@ -221,6 +226,7 @@ def _copy_kv_heads(
 def tensor_parallel(
     module:MultiHeadAttention, # the attention to split; changed in place
     mesh, # a 1-D DeviceMesh: the ranks that share the heads
+    sequence_parallel:bool=False, # as in tp_plan (a whole model's, below)
 ) -> MultiHeadAttention: # the same module, holding num_heads // degree heads here
     "Split `module`'s heads over the ranks of `mesh` with `tp_plan`; local head counts."
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -229,7 +235,7 @@ def tensor_parallel(
     check_tp_degree(module, degree)
     copied = module.num_kv_heads < degree  # each key/value head on degree // G ranks
     summed = _copy_kv_heads(module, mesh) if copied else None
-    parallelize_module(module, mesh, tp_plan(module))
+    parallelize_module(module, mesh, tp_plan(module, sequence_parallel))
     if copied:  # on the split weights: every copy's gradient the sum, so they agree
         for p in (*module.W_key.parameters(), *module.W_value.parameters()):
             p.register_hook(summed)
@@ -304,24 +310,30 @@ def check_tensor_parallel(
 # %% ../nbs/15_parallel.ipynb #tpm00002
 def _mlp_plan(
     mlp:nn.Module, # a block's MLP
+    sequence_parallel:bool=False, # as in tp_plan: the last product's sum cut by tokens
 ) -> tuple|None: # ({name: ParallelStyle}, hidden width), or None: not a kind split here
     "Megatron's split of an MLP: its first products by columns, its last by rows."
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
     linear = lambda m: type(m) is nn.Linear
+    rows = RowwiseParallel(output_layouts=Shard(1) if sequence_parallel
+                           else Replicate())  # the sum: cut by tokens, or whole
     if all(linear(getattr(mlp, n, None)) for n in ('gate', 'up', 'down')):  # SwiGLU
-        return ({'gate': ColwiseParallel(), 'up': ColwiseParallel(),
-                 'down': RowwiseParallel()}, mlp.gate.out_features)
+        return ({'gate': ColwiseParallel(), 'up': ColwiseParallel(), 'down': rows},
+                mlp.gate.out_features)
     if (isinstance(mlp, nn.Sequential) and len(mlp) == 3 and linear(mlp[0])
             and linear(mlp[2]) and not list(mlp[1].parameters())):  # GPT-2's
-        return {'0': ColwiseParallel(), '2': RowwiseParallel()}, mlp[0].out_features
+        return {'0': ColwiseParallel(), '2': rows}, mlp[0].out_features
     return None
 
 def tensor_parallel_model(
     model:nn.Module, # a model of the package: `blocks`, each with `attn` and `mlp`
     mesh, # a 1-D DeviceMesh: the ranks that share every block
+    sequence_parallel:bool=False, # and the norms on a share of the tokens (below)
 ) -> nn.Module: # the same model, changed in place: every block split over the ranks
     "Each block's attention split by heads, its MLP by columns, then rows; rest whole."
     from torch.distributed.tensor.parallel import parallelize_module
+    check_flag(sequence_parallel, 'sequence_parallel')
     degree, blocks = mesh.size(), getattr(model, 'blocks', None)
     if not isinstance(blocks, nn.ModuleList) or not len(blocks):
         raise TypeError(f"model must have blocks (an nn.ModuleList), as the package's "
@@ -333,7 +345,7 @@ def tensor_parallel_model(
             raise TypeError(f"tensor_parallel_model splits a MultiHeadAttention by "
                             f"heads; blocks[{i}].attn is {type(attn).__name__}")
         check_tp_degree(attn, degree)  # and refuses one it cannot split by heads
-        plan = _mlp_plan(mlp)
+        plan = _mlp_plan(mlp, sequence_parallel)
         if plan is None:
             raise TypeError(f"tensor_parallel_model splits a gate/up/down MLP or a "
                             f"Linear, activation, Linear one; blocks[{i}].mlp is "
@@ -341,10 +353,12 @@ def tensor_parallel_model(
         if plan[1] % degree:
             raise ValueError(f"the degree must divide the MLP's hidden width; got "
                              f"{plan[1]} in blocks[{i}].mlp, degree={degree}")
+        if sequence_parallel: _check_sequence_parallel(model, block, i)  # below
         plans.append(plan[0])
     for block, plan in zip(blocks, plans):
-        tensor_parallel(block.attn, mesh)
+        tensor_parallel(block.attn, mesh, sequence_parallel)
         parallelize_module(block.mlp, mesh, plan)
+    if sequence_parallel: _sequence_parallel(model, mesh)  # below
     return model
 
 
@@ -353,6 +367,7 @@ def check_tensor_parallel_model(
     rank:int, world_size:int, # given by run_ranks
     make, # () -> a model of the package; called once a rank, after the same seed
     tokens:int=12, # the length of each of the 2 rows the models read
+    sequence_parallel:bool=False, # split as tensor_parallel_model(..., True) does
 ) -> dict: # the largest differences from the whole model, and the tokens of each
     "On each rank: one model whole, a copy split by `tensor_parallel_model`; compare."
     import copy
@@ -362,18 +377,70 @@ def check_tensor_parallel_model(
     torch.manual_seed(0)  # the same weights and tokens on every rank
     whole = make()
     ids = torch.randint(0, whole.vocab_size, (2, tokens))
-    split = tensor_parallel_model(copy.deepcopy(whole), mesh)
+    split = tensor_parallel_model(copy.deepcopy(whole), mesh, sequence_parallel)
     out_whole, out_split = whole(ids), split(ids)
     (out_whole ** 2).mean().backward(); (out_split ** 2).mean().backward()
     grads = _grad_diffs(whole, split)  # a copied key/value head's: once per copy
-    with torch.no_grad():
-        said = [generate(m.eval(), ids[:1, :4], 6, compile=False)[0].tolist()
-                for m in (whole, split)]
+    said = None  # sequence parallel: no greedy tokens, one a step (refused, below)
+    if not sequence_parallel:
+        with torch.no_grad():
+            said = [generate(m.eval(), ids[:1, :4], 6, compile=False)[0].tolist()
+                    for m in (whole, split)]
     return {'logits': _max_diff(out_split, out_whole), 'grad': max(grads),
-            'tokens_equal': said[0] == said[1],
+            'tokens_equal': None if said is None else said[0] == said[1],
             'local_heads': (split.blocks[0].attn.num_heads,
                             split.blocks[0].attn.num_kv_heads)}
 
+
+# %% ../nbs/15_parallel.ipynb #sqp00002
+def _is_norm(m:nn.Module) -> bool: # LayerNorm, RMSNorm, or a family's own RMSNorm
+    return (isinstance(m, (nn.LayerNorm, nn.RMSNorm))
+            or type(m).__name__.endswith('Norm'))
+
+def _check_sequence_parallel(model:nn.Module, block:nn.Module, i:int) -> None:
+    "Beside the attention and the MLP, norms and dropout: one token at a time."
+    for name, child in block.named_children():
+        if (name not in ('attn', 'mlp') and not _is_norm(child)
+                and not isinstance(child, nn.Dropout)):
+            raise TypeError(f"sequence_parallel runs a block's other parts on each "
+                            f"rank's share of the tokens, which a norm or dropout "
+                            f"allows; blocks[{i}].{name} is {type(child).__name__}")
+    for name in ('norm', 'head'):
+        if not isinstance(getattr(model, name, None), nn.Module):
+            raise TypeError(f"sequence_parallel gathers the tokens before the model's "
+                            f"final norm and head; {type(model).__name__} has no "
+                            f"'{name}'")
+
+# %% ../nbs/15_parallel.ipynb #sqp00003
+def _sequence_parallel(
+    model:nn.Module, # split by tensor_parallel_model(..., sequence_parallel=True)
+    mesh, # its DeviceMesh
+) -> None:
+    "Norms on each rank's share of the tokens: gathered before attention and MLP."
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (PrepareModuleInput, SequenceParallel,
+                                                   parallelize_module)
+    tokens, whole, degree = (Shard(1),), (Replicate(),), mesh.size()
+    def layouts(given, wanted):  # the module's input, from `given` to `wanted`
+        return PrepareModuleInput(input_layouts=given, desired_input_layouts=wanted,
+                                  use_local_output=True)
+    for block in model.blocks:  # norms on the share; attention and MLP gather it
+        plan = {name: SequenceParallel(use_local_output=True)
+                for name, child in block.named_children() if _is_norm(child)}
+        parallelize_module(block, mesh, {**plan, 'attn': layouts(tokens, whole),
+                                         'mlp': layouts(tokens, whole)})
+    parallelize_module(model, mesh, {'blocks.0': layouts(whole, tokens),  # a slice
+                                     'norm': SequenceParallel(use_local_output=True),
+                                     'head': layouts(tokens, whole)})
+    def a_share_each(module, args, kwargs):  # before the model's forward
+        token_ids = args[0] if args else kwargs.get('token_ids')
+        if isinstance(token_ids, Tensor) and token_ids.shape[-1] % degree:
+            raise ValueError(f"sequence parallelism gives each of the {degree} ranks "
+                             f"an equal share of the tokens, so num_tokens must be a "
+                             f"multiple of {degree}; got {token_ids.shape[-1]}. To "
+                             f"decode one token at a time, split the model with "
+                             f"sequence_parallel=False")
+    model.register_forward_pre_hook(a_share_each, with_kwargs=True)
 
 # %% ../nbs/15_parallel.ipynb #08e0291b
 @atexit.register   # run as Python exits, before it shuts down

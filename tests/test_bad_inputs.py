@@ -326,6 +326,11 @@ CASES = {
     'tensor_parallel_model mlp width': (lambda: D.tensor_parallel_model(
         Llama(8, 8, d_model=8, num_heads=4, num_layers=1, d_hidden=6), _Mesh(4)), ValueError,
         ['hidden width', '6', 'blocks[0].mlp', 'degree=4']),
+    'tensor_parallel_model sequence_parallel': (lambda: D.tensor_parallel_model(
+        Llama(8, 8, d_model=8, num_heads=4, num_layers=1), _Mesh(2), sequence_parallel='yes'), TypeError,
+        ['sequence_parallel', "'yes'"]),
+    'tp_plan sequence_parallel': (lambda: D.tp_plan(MultiHeadAttention(8, 8, 8), sequence_parallel=1), TypeError,
+                                  ['sequence_parallel', '1']),
     'check_tp_degree zero': (lambda: D.check_tp_degree(MultiHeadAttention(8, 8, 8), 0), ValueError, ['degree', '0']),
     'run_ranks world_size': (lambda: D.run_ranks(print, 0), ValueError, ['world_size', '0']),
     'sequence_chunks order': (lambda: R.sequence_chunks(0, 2, order='bad'), ValueError, ['order', "'bad'"]),

@@ -318,10 +318,39 @@ class _Mesh:
 
 
 def test_tensor_parallel_model_on_one_rank(one_rank):
-    "The same check in this process (its code under coverage): one rank holds every head."
+    "The same check in this process (its code under coverage): one rank holds every head; with sequence parallelism too."
     from selfattn_nbdev.distributed import check_tensor_parallel_model
     r = check_tensor_parallel_model(0, 1, _llama)
     assert r['logits'] == 0.0 and r['grad'] == 0.0 and r['tokens_equal'] and r['local_heads'] == (4, 2)
+    r = check_tensor_parallel_model(0, 1, _llama, 12, True)
+    assert r['logits'] < 1e-6 and r['grad'] < 1e-6 and r['tokens_equal'] is None, r
+
+
+def _sequence_parallel_gemma(rank, world_size):
+    """On each rank: a Gemma (norms after the attention and the MLP too, scaled embeddings, a capped head) split with
+    sequence parallelism, against the whole model; then the token counts it refuses, by name."""
+    from functools import partial
+    from selfattn_nbdev.distributed import check_tensor_parallel_model, tensor_parallel_model
+    from selfattn_nbdev.gemma import Gemma
+    from torch.distributed.device_mesh import init_device_mesh
+    make = partial(Gemma, vocab_size=64, context_length=16, d_model=32, num_heads=4, num_layers=2, num_kv_heads=2,
+                   d_hidden=48, head_dim=8, window=6, softcap=5.0, final_softcap=10.0)
+    result = check_tensor_parallel_model(rank, world_size, make, 12, True)
+    torch.manual_seed(0)
+    split = tensor_parallel_model(make(), init_device_mesh('cpu', (world_size,)), sequence_parallel=True)
+    errors = []
+    for ids in (torch.zeros(2, 11, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long)):  # odd; one decode step
+        try: split(ids)
+        except ValueError as e: errors.append(str(e))
+    return result, errors
+
+
+@pytest.mark.slow  # starts 2 ranks
+def test_sequence_parallel_gemma_two_ranks():
+    "Post-norms under sequence parallelism equal the whole model; 11 tokens, or 1 (a decode step), refused by name."
+    for result, errors in run_ranks(_sequence_parallel_gemma, 2):
+        assert result['logits'] < 1e-4 and result['grad'] < 1e-4, result
+        assert len(errors) == 2 and 'multiple of 2; got 11' in errors[0] and 'got 1. To decode' in errors[1], errors
 
 
 def test_tensor_parallel_model_refuses_before_it_splits_anything():
@@ -347,6 +376,15 @@ def test_tensor_parallel_model_refuses_before_it_splits_anything():
     model.blocks[0].mlp = nn.Sequential(nn.Linear(32, 48), nn.LayerNorm(48), nn.Linear(48, 32))  # weights in the middle
     with pytest.raises(TypeError, match=r'blocks\[0\].mlp is Sequential'):
         tensor_parallel_model(model, _Mesh(2))
+    model = _llama()
+    model.blocks[1].extra = nn.Linear(32, 32)   # not token by token alone: no share of the tokens
+    with pytest.raises(TypeError, match=r"which a norm or dropout allows; blocks\[1\].extra is Linear"):
+        tensor_parallel_model(model, _Mesh(2), sequence_parallel=True)
+    assert type(model.blocks[0].attn.W_query.weight) is nn.Parameter
+    model = _llama()
+    del model.norm
+    with pytest.raises(TypeError, match=r"before the model's final norm and head; Llama has no 'norm'"):
+        tensor_parallel_model(model, _Mesh(2), sequence_parallel=True)
     with pytest.raises(ValueError, match=r'hidden width; got 48 in blocks\[0\].mlp, degree=32'):
         tensor_parallel_model(Llama(vocab_size=64, context_length=16, d_model=64, num_heads=32, num_layers=1,
                                     d_hidden=48), _Mesh(32))            # 32 heads split, 48 hidden units not

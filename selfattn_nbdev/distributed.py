@@ -411,6 +411,19 @@ def _check_sequence_parallel(model:nn.Module, block:nn.Module, i:int) -> None:
                             f"final norm and head; {type(model).__name__} has no "
                             f"'{name}'")
 
+def _a_share_each(degree:int): # a forward pre-hook for the model
+    "Refuse, by name, a token count that the ranks cannot share equally."
+    def check(module, args, kwargs):
+        token_ids = args[0] if args else kwargs.get('token_ids')
+        if isinstance(token_ids, Tensor) and token_ids.shape[-1] % degree:
+            raise ValueError(f"sequence parallelism gives each of the {degree} ranks "
+                             f"an equal share of the tokens, so num_tokens must be a "
+                             f"multiple of {degree}; got {token_ids.shape[-1]}. To "
+                             f"decode one token at a time, split the model with "
+                             f"sequence_parallel=False")
+    return check
+
+
 # %% ../nbs/15_parallel.ipynb #sqp00003
 def _sequence_parallel(
     model:nn.Module, # split by tensor_parallel_model(..., sequence_parallel=True)
@@ -432,15 +445,8 @@ def _sequence_parallel(
     parallelize_module(model, mesh, {'blocks.0': layouts(whole, tokens),  # a slice
                                      'norm': SequenceParallel(use_local_output=True),
                                      'head': layouts(tokens, whole)})
-    def a_share_each(module, args, kwargs):  # before the model's forward
-        token_ids = args[0] if args else kwargs.get('token_ids')
-        if isinstance(token_ids, Tensor) and token_ids.shape[-1] % degree:
-            raise ValueError(f"sequence parallelism gives each of the {degree} ranks "
-                             f"an equal share of the tokens, so num_tokens must be a "
-                             f"multiple of {degree}; got {token_ids.shape[-1]}. To "
-                             f"decode one token at a time, split the model with "
-                             f"sequence_parallel=False")
-    model.register_forward_pre_hook(a_share_each, with_kwargs=True)
+    model.register_forward_pre_hook(_a_share_each(degree), with_kwargs=True)
+
 
 # %% ../nbs/15_parallel.ipynb #08e0291b
 @atexit.register   # run as Python exits, before it shuts down

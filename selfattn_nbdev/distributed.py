@@ -394,8 +394,9 @@ def check_tensor_parallel_model(
 
 # %% ../nbs/15_parallel.ipynb #sqp00002
 def _is_norm(m:nn.Module) -> bool: # LayerNorm, RMSNorm, or a family's own RMSNorm
+    "A norm of each token alone (not GroupNorm or BatchNorm: theirs span tokens)."
     return (isinstance(m, (nn.LayerNorm, nn.RMSNorm))
-            or type(m).__name__.endswith('Norm'))
+            or type(m).__name__.endswith('RMSNorm'))  # GemmaRMSNorm, ...
 
 def _check_sequence_parallel(model:nn.Module, block:nn.Module, i:int) -> None:
     "Beside the attention and the MLP, norms and dropout: one token at a time."

@@ -382,6 +382,10 @@ def test_tensor_parallel_model_refuses_before_it_splits_anything():
         tensor_parallel_model(model, _Mesh(2), sequence_parallel=True)
     assert type(model.blocks[0].attn.W_query.weight) is nn.Parameter
     model = _llama()
+    model.blocks[0].norm2 = nn.GroupNorm(1, 16)   # statistics over the tokens: not on a share of them
+    with pytest.raises(TypeError, match=r"blocks\[0\].norm2 is GroupNorm"):
+        tensor_parallel_model(model, _Mesh(2), sequence_parallel=True)
+    model = _llama()
     del model.norm
     with pytest.raises(TypeError, match=r"before the model's final norm and head; Llama has no 'norm'"):
         tensor_parallel_model(model, _Mesh(2), sequence_parallel=True)

@@ -330,10 +330,12 @@ def tensor_parallel_model(
     model:nn.Module, # a model of the package: `blocks`, each with `attn` and `mlp`
     mesh, # a 1-D DeviceMesh: the ranks that share every block
     sequence_parallel:bool=False, # and the norms on a share of the tokens (below)
+    vocab_parallel:bool=False, # and the token table and head split by vocabulary
 ) -> nn.Module: # the same model, changed in place: every block split over the ranks
     "Each block's attention split by heads, its MLP by columns, then rows; rest whole."
     from torch.distributed.tensor.parallel import parallelize_module
     check_flag(sequence_parallel, 'sequence_parallel')
+    check_flag(vocab_parallel, 'vocab_parallel')
     degree, blocks = mesh.size(), getattr(model, 'blocks', None)
     if not isinstance(blocks, nn.ModuleList) or not len(blocks):
         raise TypeError(f"model must have blocks (an nn.ModuleList), as the package's "
@@ -355,10 +357,12 @@ def tensor_parallel_model(
                              f"{plan[1]} in blocks[{i}].mlp, degree={degree}")
         if sequence_parallel: _check_sequence_parallel(model, block, i)  # below
         plans.append(plan[0])
+    if vocab_parallel: _check_vocab_parallel(model)  # below, as the next two
     for block, plan in zip(blocks, plans):
         tensor_parallel(block.attn, mesh, sequence_parallel)
         parallelize_module(block.mlp, mesh, plan)
-    if sequence_parallel: _sequence_parallel(model, mesh)  # below
+    if sequence_parallel: _sequence_parallel(model, mesh)
+    if vocab_parallel: _vocab_parallel(model, mesh)  # after: the head's gather first
     return model
 
 
@@ -367,7 +371,8 @@ def check_tensor_parallel_model(
     rank:int, world_size:int, # given by run_ranks
     make, # () -> a model of the package; called once a rank, after the same seed
     tokens:int=12, # the length of each of the 2 rows the models read
-    sequence_parallel:bool=False, # split as tensor_parallel_model(..., True) does
+    sequence_parallel:bool=False, # as for tensor_parallel_model
+    vocab_parallel:bool=False, # as for tensor_parallel_model
 ) -> dict: # the largest differences from the whole model, and the tokens of each
     "On each rank: one model whole, a copy split by `tensor_parallel_model`; compare."
     import copy
@@ -377,7 +382,8 @@ def check_tensor_parallel_model(
     torch.manual_seed(0)  # the same weights and tokens on every rank
     whole = make()
     ids = torch.randint(0, whole.vocab_size, (2, tokens))
-    split = tensor_parallel_model(copy.deepcopy(whole), mesh, sequence_parallel)
+    split = tensor_parallel_model(copy.deepcopy(whole), mesh, sequence_parallel,
+                                  vocab_parallel)
     out_whole, out_split = whole(ids), split(ids)
     (out_whole ** 2).mean().backward(); (out_split ** 2).mean().backward()
     grads = _grad_diffs(whole, split)  # a copied key/value head's: once per copy
@@ -448,6 +454,33 @@ def _sequence_parallel(
                                      'head': layouts(tokens, whole)})
     model.register_forward_pre_hook(_a_share_each(degree), with_kwargs=True)
 
+
+# %% ../nbs/15_parallel.ipynb #vcp00002
+def _check_vocab_parallel(model:nn.Module) -> None:
+    "A token table (nn.Embedding) and a head (nn.Linear) to split by vocabulary."
+    for name, kind in (('token_emb', nn.Embedding), ('head', nn.Linear)):
+        if not isinstance(getattr(model, name, None), kind):
+            raise TypeError(f"vocab_parallel splits the model's token_emb (an "
+                            f"nn.Embedding) and head (an nn.Linear) by vocabulary; "
+                            f"{type(model).__name__}.{name} is "
+                            f"{type(getattr(model, name, None)).__name__}")
+
+# %% ../nbs/15_parallel.ipynb #vcp00003
+def _vocab_parallel(
+    model:nn.Module, # split by tensor_parallel_model(..., vocab_parallel=True)
+    mesh, # its DeviceMesh
+) -> None:
+    "The token table by rows, the head by output rows: a share of the vocabulary each."
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+    tied = model.head.weight is model.token_emb.weight
+    parallelize_module(model, mesh, {'token_emb': RowwiseParallel(
+        input_layouts=Replicate(), output_layouts=Replicate())})  # one all-reduce
+    if tied: model.head.weight = model.token_emb.weight  # one table, split once
+    parallelize_module(model, mesh, {'head': ColwiseParallel(
+        output_layouts=Replicate())})                           # one all-gather
+    if tied: model.head.weight = model.token_emb.weight  # and one gradient
 
 # %% ../nbs/15_parallel.ipynb #08e0291b
 @atexit.register   # run as Python exits, before it shuts down

@@ -329,6 +329,9 @@ CASES = {
     'tensor_parallel_model sequence_parallel': (lambda: D.tensor_parallel_model(
         Llama(8, 8, d_model=8, num_heads=4, num_layers=1), _Mesh(2), sequence_parallel='yes'), TypeError,
         ['sequence_parallel', "'yes'"]),
+    'tensor_parallel_model vocab_parallel': (lambda: D.tensor_parallel_model(
+        Llama(8, 8, d_model=8, num_heads=4, num_layers=1), _Mesh(2), vocab_parallel=None), TypeError,
+        ['vocab_parallel', 'None']),
     'tp_plan sequence_parallel': (lambda: D.tp_plan(MultiHeadAttention(8, 8, 8), sequence_parallel=1), TypeError,
                                   ['sequence_parallel', '1']),
     'check_tp_degree zero': (lambda: D.check_tp_degree(MultiHeadAttention(8, 8, 8), 0), ValueError, ['degree', '0']),

@@ -324,6 +324,19 @@ def test_tensor_parallel_model_on_one_rank(one_rank):
     assert r['logits'] == 0.0 and r['grad'] == 0.0 and r['tokens_equal'] and r['local_heads'] == (4, 2)
     r = check_tensor_parallel_model(0, 1, _llama, 12, True)
     assert r['logits'] < 1e-6 and r['grad'] < 1e-6 and r['tokens_equal'] is None, r
+    r = check_tensor_parallel_model(0, 1, _llama, 12, False, True)   # the token table and head by vocabulary
+    assert r['logits'] < 1e-6 and r['grad'] < 1e-6 and r['tokens_equal'], r
+
+
+def test_vocab_parallel_keeps_a_tied_head_one_table(one_rank):
+    "GPT-2's head is its token table: split by vocabulary, it is still one parameter, with one gradient."
+    from torch.distributed.device_mesh import init_device_mesh
+    from selfattn_nbdev.distributed import tensor_parallel_model
+    from selfattn_nbdev.models import GPT2
+    model = tensor_parallel_model(GPT2(vocab_size=64, context_length=16, d_model=32, num_heads=4, num_layers=1),
+                                  init_device_mesh('cpu', (1,)), vocab_parallel=True)
+    assert model.head.weight is model.token_emb.weight and hasattr(model.head.weight, 'to_local')
+    assert sum(p is model.head.weight for p in model.parameters()) == 1
 
 
 def _sequence_parallel_gemma(rank, world_size):
@@ -336,6 +349,9 @@ def _sequence_parallel_gemma(rank, world_size):
     make = partial(Gemma, vocab_size=64, context_length=16, d_model=32, num_heads=4, num_layers=2, num_kv_heads=2,
                    d_hidden=48, head_dim=8, window=6, softcap=5.0, final_softcap=10.0)
     result = check_tensor_parallel_model(rank, world_size, make, 12, True)
+    for sp in (False, True):   # and the tied table split by a vocabulary of 63, which 2 ranks do not divide
+        vocab = check_tensor_parallel_model(rank, world_size, partial(make, vocab_size=63), 12, sp, True)
+        result = {k: max(result[k], vocab[k]) for k in ('logits', 'grad')}
     torch.manual_seed(0)
     split = tensor_parallel_model(make(), init_device_mesh('cpu', (world_size,)), sequence_parallel=True)
     errors = []
@@ -347,7 +363,8 @@ def _sequence_parallel_gemma(rank, world_size):
 
 @pytest.mark.slow  # starts 2 ranks
 def test_sequence_parallel_gemma_two_ranks():
-    "Post-norms under sequence parallelism equal the whole model; 11 tokens, or 1 (a decode step), refused by name."
+    """Post-norms under sequence parallelism equal the whole model, and with the tied table split by an odd vocabulary;
+    11 tokens, or 1 (a decode step), refused by name."""
     for result, errors in run_ranks(_sequence_parallel_gemma, 2):
         assert result['logits'] < 1e-4 and result['grad'] < 1e-4, result
         assert len(errors) == 2 and 'multiple of 2; got 11' in errors[0] and 'got 1. To decode' in errors[1], errors
@@ -385,6 +402,11 @@ def test_tensor_parallel_model_refuses_before_it_splits_anything():
     model.blocks[0].norm2 = nn.GroupNorm(1, 16)   # statistics over the tokens: not on a share of them
     with pytest.raises(TypeError, match=r"blocks\[0\].norm2 is GroupNorm"):
         tensor_parallel_model(model, _Mesh(2), sequence_parallel=True)
+    model = _llama()
+    model.token_emb = nn.Identity()
+    with pytest.raises(TypeError, match=r"vocab_parallel splits the model's token_emb .* Llama.token_emb is Identity"):
+        tensor_parallel_model(model, _Mesh(2), vocab_parallel=True)
+    assert type(model.blocks[0].attn.W_query.weight) is nn.Parameter
     model = _llama()
     del model.norm
     with pytest.raises(TypeError, match=r"before the model's final norm and head; Llama has no 'norm'"):

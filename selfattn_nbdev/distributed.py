@@ -140,7 +140,7 @@ def tp_plan(
     if not isinstance(module, MultiHeadAttention):
         raise TypeError(f"tp_plan needs a MultiHeadAttention; "
                         f"got {type(module).__name__}")
-    check_flag(sequence_parallel, 'sequence_parallel')  # below: a later section's
+    check_flag(sequence_parallel, 'sequence_parallel')  # a later section's option
     out = Shard(1) if sequence_parallel else Replicate()  # the sum: cut, or whole
     return {'W_query': ColwiseParallel(), 'W_key': ColwiseParallel(),
             'W_value': ColwiseParallel(),
@@ -355,9 +355,9 @@ def tensor_parallel_model(
         if plan[1] % degree:
             raise ValueError(f"the degree must divide the MLP's hidden width; got "
                              f"{plan[1]} in blocks[{i}].mlp, degree={degree}")
-        if sequence_parallel: _check_sequence_parallel(model, block, i)  # below
         plans.append(plan[0])
-    if vocab_parallel: _check_vocab_parallel(model)  # below, as the next two
+    if sequence_parallel: _check_sequence_parallel(model)  # later sections'
+    if vocab_parallel: _check_vocab_parallel(model)  # checks, before any split
     for block, plan in zip(blocks, plans):
         tensor_parallel(block.attn, mesh, sequence_parallel)
         parallelize_module(block.mlp, mesh, plan)
@@ -404,14 +404,16 @@ def _is_norm(m:nn.Module) -> bool: # LayerNorm, RMSNorm, or a family's own RMSNo
     return (isinstance(m, (nn.LayerNorm, nn.RMSNorm))
             or type(m).__name__.endswith('RMSNorm'))  # GemmaRMSNorm, ...
 
-def _check_sequence_parallel(model:nn.Module, block:nn.Module, i:int) -> None:
-    "Beside the attention and the MLP, norms and dropout: one token at a time."
-    for name, child in block.named_children():
-        if (name not in ('attn', 'mlp') and not _is_norm(child)
-                and not isinstance(child, nn.Dropout)):
-            raise TypeError(f"sequence_parallel runs a block's other parts on each "
-                            f"rank's share of the tokens, which a norm or dropout "
-                            f"allows; blocks[{i}].{name} is {type(child).__name__}")
+def _check_sequence_parallel(model:nn.Module) -> None:
+    "Beside each attention and MLP, norms and dropout: one token at a time."
+    for i, block in enumerate(model.blocks):
+        for name, child in block.named_children():
+            if (name not in ('attn', 'mlp') and not _is_norm(child)
+                    and not isinstance(child, nn.Dropout)):
+                raise TypeError(f"sequence_parallel runs a block's other parts on "
+                                f"each rank's share of the tokens, which a norm or "
+                                f"dropout allows; blocks[{i}].{name} is "
+                                f"{type(child).__name__}")
     for name in ('norm', 'head'):
         if not isinstance(getattr(model, name, None), nn.Module):
             raise TypeError(f"sequence_parallel gathers the tokens before the model's "

@@ -8,10 +8,14 @@ by transformers and read by the package's `from_hf`, so that both decode the sam
 tokens (`tokens_equal`, recorded: random weights can tie). A token's rate is of the decode steps only (the prompt's step left out), as
 llama.cpp's is. Recorded:
 
-- `bandwidth`: the read rate of one and two threads over 1 GiB (torch's sum, numpy's sum), and the rate at which
+- `bandwidth`: the read rate of one and two threads over 1 GiB (torch's sum and numpy's in ordinary memory, of
+  4 KiB pages, and torch's in memory advised for 2 MiB pages, `torch_sum_huge_pages`), and the rate at which
   torch's matrix-vector product reads each shape's weights (`gemv`), row-major as the modules hold them and
-  column-major, and oneDNN's (`gemv_onednn`, row-major); the limit of a shape is the best read rate over the bytes a token reads (`bytes_a_token`: every
+  column-major, and oneDNN's (`gemv_onednn`, row-major), the weights in 2 MiB pages as `generate` puts them; the
+  limit of a shape is the best read rate over the bytes a token reads (`bytes_a_token`: every
   weight but the input embeddings, of which a token reads one row; a tied table is read whole as the head);
+- `huge_pages`: per shape, `weights_in_huge_pages` on the model as `generate`'s first call runs it: the bytes it
+  moved, its seconds, and the bytes Linux then reports in 2 MiB pages (AnonHugePages of their mappings);
 - `compile`: per shape and thread count, the first `generate(compile=True)` (its decode step compiled) against the
   next call, which reuses the graphs: the compile's seconds, paid once a process for each thread count (Dynamo
   guards on torch's thread count: the first call at another count compiles again), with an empty kernel cache
@@ -29,6 +33,8 @@ llama.cpp's is. Recorded:
   BLAS (`package generate (BLAS)`: what `generate` did before it measured), `generate(static=True)` and
   `generate(compile=True)` (on a CPU, Inductor's calls between kernels in C++: `cpp_wrapper`) and the same
   compiled with those calls in Python (`package compiled (Python wrapper)`: what `compile=True` did before),
+  `generate` eager and compiled with the weights left in ordinary memory (`... (4 KiB pages)`: what both did
+  before `weights_in_huge_pages`; stacked, as `generate` stacks them),
   transformers' `generate`
   (dynamic and static cache), `bare step (no package)` (`headroom`'s row-major step, in the rounds: what an eager
   step reaches with nothing but the arithmetic; its tokens are compared apart, `tokens_equal_bare_step`, since its
@@ -39,7 +45,8 @@ llama.cpp's is. Recorded:
   bytes a step reads over its time, and beside it transformers (dynamic and static cache) and llama.cpp (batch 1:
   llama-cpp-python decodes one sequence); medians of the rounds, the systems in turns within each (`runs`);
 - `profile`: one decode step of each shape at 1 thread under torch's profiler, its time by kind of work, and the
-  time outside torch's operators (Python and dispatch);
+  time outside torch's operators (Python and dispatch); `profile_compiled` the compiled step's, and
+  `profile_compiled (4 KiB pages)` the same with the weights in ordinary memory;
 - `headroom`: a bare decode step written against the same weights (no checks, no masks, fused projections: what
   gpt-fast writes), with the weights row-major and column-major, to show what the step could reach;
 - `large`: a 1 B Llama shape (Llama 3.2 1B's sizes, 4.9 GB in float32) at 1 and 2 threads, 16 new tokens.
@@ -103,9 +110,12 @@ def bytes_a_token(model) -> int:
 
 
 def read_rates(threads: int) -> dict:
+    """Bytes a second of a sum over 1 GiB: torch's and numpy's in ordinary (4 KiB-page) memory, torch's in memory
+    advised for 2 MiB pages (`huge_page_buffer`: where the weights of `generate` lie)."""
     torch.set_num_threads(threads)
     x, y, best = torch.ones(256 * 2**20), np.ones(256 * 2**20, np.float32), {}
-    for name, f in [('torch_sum', x.sum), ('numpy_sum', y.sum)]:
+    z = decoding.huge_page_buffer(2**30).view(torch.float32).fill_(1.0)
+    for name, f in [('torch_sum', x.sum), ('numpy_sum', y.sum), ('torch_sum_huge_pages', z.sum)]:
         times = []
         for _ in range(5):
             start = time.perf_counter(); f(); times.append(time.perf_counter() - start)
@@ -158,6 +168,37 @@ def prefill_ms(model, ids, kernel=None) -> float:
 
 
 BARE = 'bare step (no package)'  # bare_step below: the arithmetic alone, eagerly (the ceiling of an eager step)
+SMALL_PAGES = ' (4 KiB pages)'  # a system's name with its weights where PyTorch's allocator put them (not moved)
+
+
+@contextlib.contextmanager
+def small_pages(model, storages):
+    "Within: the model's weights in `storages` (ordinary memory, stacked as `generate` stacks), and not moved."
+    params, moving = list(model.parameters()), decoding.weights_in_huge_pages
+    held = [p.data for p in params]
+    for p, d in zip(params, storages): p.data = d
+    decoding.weights_in_huge_pages = lambda model, min_bytes=None: 0
+    try: yield
+    finally:
+        decoding.weights_in_huge_pages = moving
+        for p, d in zip(params, held): p.data = d
+
+
+def ordinary_storages(model) -> list:
+    "The model's weights stacked in ordinary memory, kept aside before `generate` moves them to 2 MiB pages."
+    with torch.no_grad(), decoding.stacked(model): pass
+    return [p.data for p in model.parameters()]
+
+
+def moved_to_huge_pages(model) -> dict:
+    "Move the weights (as `generate` does on its first call), timed, and what Linux says now lies in 2 MiB pages."
+    with torch.no_grad(), decoding.stacked(model):
+        start = time.perf_counter(); moved = decoding.weights_in_huge_pages(model); seconds = time.perf_counter() - start
+    storages = {p.untyped_storage().data_ptr(): p for p in model.parameters()}
+    return dict(on=decoding.huge_pages_on(), moved_bytes=moved, seconds=seconds,
+                in_huge_pages_bytes=sum(decoding.huge_page_bytes(p) for p in storages.values()))
+
+
 PYTHON_WRAPPER = dict(fullgraph=True, dynamic=False)  # compile=True's options on a CPU, less its C++ wrapper
 
 
@@ -351,10 +392,11 @@ def main():
                                                         'llama_cpp.__version__)'], capture_output=True,
                                                        text=True).stdout.strip())
     result['bandwidth'] = {f'{t}_thread{"s" * (t > 1)}': read_rates(t) for t in (1, 2)}
-    shapes, ggufs = {}, {}
+    shapes, ggufs, small = {}, {}, {}
     for name, config in SHAPES.items():
         hf = hf_model(config)
         shapes[name] = (hf, ours_of(hf))
+        small[name] = ordinary_storages(shapes[name][1])  # before generate moves them
         if args.llamacpp_python:
             ggufs[name] = os.path.join(scratch.name, f'{name}.gguf')
             subprocess.run([args.llamacpp_python, str(ROOT/'bench'/'llamacpp_child.py'), 'write', name,
@@ -363,7 +405,7 @@ def main():
     result['shapes'] = {}
     for name, (hf, ours) in shapes.items():
         read = bytes_a_token(ours)
-        result['shapes'][name] = dict(config=SHAPES[name], bytes_a_token=read,
+        result['shapes'][name] = dict(config=SHAPES[name], bytes_a_token=read, huge_pages=moved_to_huge_pages(ours),
                                       gemv_row_major=gemv_rate(ours, False), gemv_column_major=gemv_rate(ours, True),
                                       gemv_onednn=gemv_rate(ours, False, onednn=True))
         chosen = {}
@@ -399,8 +441,13 @@ def main():
             compiles[f'{threads}']['later_process'] = later_process_compile(name, threads)  # the cache now filled
         result['shapes'][name]['compile'] = compiles
         print(name, 'compile', compiles, flush=True)
-    systems = ['package generate', 'package generate (BLAS)', 'package static', 'package compiled',
-               'package compiled (Python wrapper)',
+    for name, (hf, ours) in shapes.items():  # and the step with its weights in ordinary memory, compiled too
+        ids = torch.randint(3, SHAPES[name]['vocab_size'], (1, PROMPT))
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            with torch.no_grad(), small_pages(ours, small[name]): generate(ours, ids, NEW, stop_ids=[], compile=True)
+    systems = ['package generate', 'package generate' + SMALL_PAGES, 'package generate (BLAS)', 'package static',
+               'package compiled', 'package compiled' + SMALL_PAGES, 'package compiled (Python wrapper)',
                'transformers dynamic', 'transformers static', BARE]
     if args.llamacpp_python: systems.append('llama.cpp')
     rates, equal = collections.defaultdict(list), collections.defaultdict(list)
@@ -416,6 +463,9 @@ def main():
                            'package compiled': ours_rate(ours, ids, NEW, compile=True),
                            'package compiled (Python wrapper)': ours_rate(ours, ids, NEW, compile=PYTHON_WRAPPER),
                            'transformers dynamic': hf_rate(hf, ids, NEW), 'transformers static': hf_rate(hf, ids, NEW, True)}
+                    with small_pages(ours, small[name]):
+                        got['package generate' + SMALL_PAGES] = ours_rate(ours, ids, NEW)
+                        got['package compiled' + SMALL_PAGES] = ours_rate(ours, ids, NEW, compile=True)
                     rate, tokens = bare_rate(ours, False, ids)
                     got[BARE] = rate, torch.tensor([tokens])
                 first = got['package generate'][1].tolist()
@@ -466,6 +516,8 @@ def main():
         result['shapes'][name]['profile'] = profile_step(ours)
         result['shapes'][name]['profile_blas'] = profile_step(ours, 'blas')
         result['shapes'][name]['profile_compiled'] = profile_compiled_step(ours)
+        with small_pages(ours, small[name]):
+            result['shapes'][name]['profile_compiled' + SMALL_PAGES] = profile_compiled_step(ours)
         ids = torch.randint(3, SHAPES[name]['vocab_size'], (1, PROMPT))
         reference = ours_rate(ours, ids, NEW)[1][0].tolist()
         head = {}

@@ -15,7 +15,7 @@ from .core import check_size, check_token_ids
 from .multihead import MultiHeadAttention
 from .generation import _check_sampling
 from .decoding import (_check_choice, _default_stops, _sampler,
-                                     faster_products)
+                                     faster_products, weights_in_huge_pages)
 
 # %% ../nbs/22_serving.ipynb #511c0ea7
 from .caches import BlockPool, PagedKVCache  # written below
@@ -55,6 +55,7 @@ class Engine:
         if prefill_chunk is not None: check_size(prefill_chunk, "prefill_chunk")
         self.model, self.max_batch, self.prefill_chunk = model, max_batch, prefill_chunk
         self.device, self.count = next(model.parameters()).device, 0
+        weights_in_huge_pages(model)  # a step streams them (Batches): 2 MiB pages
         self.pool = BlockPool(num_blocks, block_size)
         self.prefix_caching = prefix_caching
         self.caches = [PagedKVCache(self.pool, i) for i in range(len(model.blocks))]

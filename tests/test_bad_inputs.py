@@ -710,6 +710,10 @@ CASES = {
     'dense_mask more rows than the padding': (lambda: M.dense_mask(M.key_padding(torch.zeros(2, 8, dtype=torch.bool)),
                                                                    8, batch=3),
                                               IndexError, ['mask_mod', '3 rows', 'batch, num_tokens or num_keys']),
+    'huge_page_buffer zero bytes': (lambda: __import__('selfattn_nbdev.decoding').decoding.huge_page_buffer(0),
+                                    ValueError, ['nbytes', 'got 0']),
+    'weights_in_huge_pages min_bytes': (lambda: __import__('selfattn_nbdev.decoding').decoding.weights_in_huge_pages(
+                                            GPT, min_bytes=-1), ValueError, ['min_bytes', '-1']),
     'block_mask more keys than the documents': (lambda: M.block_mask(M.documents(torch.zeros(1, 8, dtype=torch.long)),
                                                                      8, 12, block_size=4),
                                                 IndexError, ['mask_mod', '12 keys', 'num_keys']),

@@ -94,3 +94,20 @@ def test_host_overhead_times_both_steps_and_counts_per_layer():
     assert set(out) == {'package_ms', 'bare_ms', 'us_a_layer'} and out['package_ms'] > 0 and out['bare_ms'] > 0
     per_layer = (out['package_ms'] - out['bare_ms']) / host_overhead.LAYERS * 1e3
     assert abs(out['us_a_layer'] - per_layer) < 0.2
+
+
+def test_the_small_pages_systems_run_on_the_ordinary_storages_and_give_the_moved_ones_back():
+    "`small_pages` lends the weights kept in ordinary memory, and no move, within; the moved weights come back after."
+    from selfattn_nbdev import decoding
+    torch.manual_seed(0)
+    model = GPT2(vocab_size=2048, context_length=64, d_model=512, num_heads=8, num_layers=1).eval()  # a 4 MiB table
+    ordinary = cpu_decode.ordinary_storages(model)
+    info = cpu_decode.moved_to_huge_pages(model)
+    moved = [p.data_ptr() for p in model.parameters()]
+    if decoding.huge_pages_on():
+        assert info['moved_bytes'] >= 2048 * 512 * 4 and info['in_huge_pages_bytes'] > 0
+    with cpu_decode.small_pages(model, ordinary):
+        assert [p.data_ptr() for p in model.parameters()] == [d.data_ptr() for d in ordinary]
+        assert decoding.weights_in_huge_pages(model) == 0
+    assert [p.data_ptr() for p in model.parameters()] == moved
+    assert decoding.weights_in_huge_pages.__name__ == 'weights_in_huge_pages'  # the package's again

@@ -17,6 +17,9 @@ def test_numbers_compare_to_printed_precision():
     assert not same_text('diff 6e-08', 'diff 2e-05')   # not rounding any more
     assert not same_text('3.2e-03', '3.5e-03')          # above 1e-5: 1e-3 relative
     assert same_text('| 8.4e−16 |', '| 1.1e−15 |')      # a typographic minus in an exponent: rounding too
+    rate = lambda t: summarise([dict(output_type='stream', name='stdout', text=t)])
+    assert rate('4 KiB pages: 25.5 GB/s, 12 ms') == rate('4 KiB pages: 21.7 GB/s, 9 ms')  # rates and times vary
+    assert rate('4 KiB pages: 25.5 GB/s') != rate('2 MiB pages: 25.5 GB/s')              # the words do not
     assert not same_text('| 2.0e−03 |', '| 3.0e−03 |')
 
 

@@ -9,7 +9,7 @@ fails at the first cell that raises; then if the notebook leaves the process cha
 another in a process catches; otherwise every code cell's fresh outputs are compared with the ones saved in the
 notebook, which are what the site shows:
 - text (results, prints, stderr) after normalising what legitimately varies (memory addresses, object ids,
-  durations), with numbers compared to the precision they are printed with (one unit in the last printed digit);
+  durations, and rates such as GB/s), with numbers compared to the precision they are printed with (one unit in the last printed digit);
 - figures by presence and pixel size within 2 % (not pixel values: tight bounding boxes move by a pixel).
 A failure names each cell (numbered from 1, as nbdev does), the head of its source and a diff.
 """
@@ -274,6 +274,7 @@ def compare(cell, saved) -> str | None:
 NUM = re.compile(r'-?\d+\.\d+(?:e[+-]?\d+)?|-?\d+(?:e[+-]?\d+)?|-?inf\b|nan\b', re.I)
 VARIES = [(re.compile(r'0x[0-9a-fA-F]+'), '0x…'),                                   # memory addresses
           (re.compile(r'\b\d+(?:\.\d+)?\s?(?:ns|µs|us|ms|s|sec|seconds|min)\b'), '<time>'),  # durations
+          (re.compile(r'\b\d+(?:\.\d+)?\s?(?:[KMGT]B/s|tok/s)'), '<rate>'),  # rates: a duration's kin
           (re.compile(r'\bid=\d+'), 'id=…')]
 
 

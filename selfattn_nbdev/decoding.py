@@ -161,6 +161,8 @@ def row_dot(
     bias:Tensor|None=None, # (d_out,)
 ) -> Tensor: # x W^T + b, (..., 1, d_out): each output a dot product of x and a row
     "A matrix-vector product as a sum: compiled, one streaming loop over the weight."
+    force = getattr(torch.ops.prims, 'inductor_force_stride_order', None)
+    if force is not None: x = force(x, x.stride())
     y = (x.unsqueeze(-2) * weight).sum(-1)   # (..., 1, d_out, d_in) summed: never made
     return y if bias is None else y + bias   # eagerly it would be: compiled steps only
 
@@ -319,6 +321,7 @@ def compiled_gemv_kernel(
     linears:list|None=None, # those linears, if found already (None: found here)
 ) -> str: # 'loop' (row_dot, compiled by Inductor) or 'blas' (F.linear, from the graph)
     "Which multiplies one token by the weights faster in a compiled step: measured once"
+    import torch._inductor.inductor_prims  # noqa: F401 (row_dot's op, before tracing)
     if linears is None: linears = _linears(model)
     weights, _ = _step_weights(linears, 64 * 2**20)
     if not weights: return 'blas'

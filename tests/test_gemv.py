@@ -223,6 +223,24 @@ def test_row_dot_is_the_product():
     torch.testing.assert_close(row_dot(x[0, 0], w), F.linear(x[0, 0], w), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
+def test_compiled_row_dot_computes_its_input_once_not_per_row():
+    """Inductor would inline the ops that make row_dot's input (a layer norm, SiLU(gate) * up) into the loop over the
+    weight's rows, recomputing them for every row: row_dot fixes its input first. In the generated C++, the loop
+    that reads the weight (its index 768L*x0) holds no square root, and one before it does."""
+    from torch._inductor.utils import run_and_get_code
+    import torch._inductor.inductor_prims  # noqa: F401 (compiled_gemv_kernel imports it before a step)
+    w, g, b, x = torch.randn(64, 768), torch.randn(768), torch.randn(768), torch.randn(1, 768)
+    f = torch.compile(lambda x: row_dot(F.layer_norm(x, (768,), g, b), w), fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        got, (code,) = run_and_get_code(f, x)
+    torch.testing.assert_close(got, F.linear(F.layer_norm(x, (768,), g, b), w), rtol=1e-4, atol=1e-4)
+    loops = code.split('for(int64_t x0=')[1:]                       # each kernel's outer loop, to the next
+    reads_w = [l for l in loops if '768L*x0' in l]
+    assert reads_w and not any('sqrt' in l for l in reads_w), reads_w
+    assert 'sqrt' in code                                            # the norm, computed once, apart
+
+
 @pytest.mark.parametrize('compiled,measured', [(True, 'loop'), (True, 'blas'), (False, 'loop')])
 def test_a_compiled_step_takes_row_dot_for_one_row_only_where_measured_faster(compiled, measured, monkeypatch):
     """Traced by Dynamo (is_compiling): told it is compiled and row_dot measured faster, one row is row_dot; more rows,

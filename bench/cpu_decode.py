@@ -1,7 +1,7 @@
 """Benchmark: decoding on a CPU one token at a time, against the memory limit, the package beside transformers and
 llama.cpp. The measuring step of "Decoding on a CPU at the memory limit": where a decode step's time goes today.
 
-    python bench/cpu_decode.py [--llamacpp-python PATH] [--out bench/cpu_decode.json]    # about 8 minutes
+    python bench/cpu_decode.py [--llamacpp-python PATH] [--out bench/cpu_decode.json]    # about 30 minutes
 
 float32, greedy, random weights of two shapes (SHAPES: GPT-2 small, and a 200 M Llama shape with 16/4 heads), built
 by transformers and read by the package's `from_hf`, so that both decode the same weights and must write the same
@@ -40,6 +40,9 @@ llama.cpp's is. Recorded:
   step reaches with nothing but the arithmetic; its tokens are compared apart, `tokens_equal_bare_step`, since its
   sums run in another order) and llama.cpp (skipped without `--llamacpp-python`, a Python with llama-cpp-python
   and gguf: see bench/llamacpp_child.py); medians of the rounds;
+- `head_to_head`: per shape and thread count, `generate(compile=True)` and llama.cpp alone, in close turns,
+  HEAD_TO_HEAD rounds, each first in half of them: medians, their ratio and each round's (skipped without
+  llama.cpp);
 - `costs`: at 1 thread, contexts of 32, 512 and the longest the shape takes less the new tokens (1,984 for the
   Llama shape, 960 for GPT-2's 1,024) at batch 1, and batches of 4 and 16 at 32: the package's `generate`, with the
   bytes a step reads over its time, and beside it transformers (dynamic and static cache) and llama.cpp (batch 1:
@@ -74,6 +77,7 @@ LARGE = dict(model_type='llama', vocab_size=128256, hidden_size=2048, num_hidden
              head_dim=64)
 PROMPT, NEW = 32, 64
 PREFILL = 512  # the prompt whose one forward `prefill_ms` times
+HEAD_TO_HEAD = 7  # rounds of the compiled step against llama.cpp alone
 KINDS = [('weights (linear)', ('addmm', 'aten::mm', 'linear', 'matmul', 'aten::mv', 'addmv')),
          ('attention', ('scaled_dot_product', 'softmax', 'bmm')),
          ('norms', ('layer_norm', 'rms_norm', 'rsqrt', 'pow', 'mean')),
@@ -194,9 +198,8 @@ def moved_to_huge_pages(model) -> dict:
     "Move the weights (as `generate` does on its first call), timed, and what Linux says now lies in 2 MiB pages."
     with torch.no_grad(), decoding.stacked(model):
         start = time.perf_counter(); moved = decoding.weights_in_huge_pages(model); seconds = time.perf_counter() - start
-    storages = {p.untyped_storage().data_ptr(): p for p in model.parameters()}
     return dict(on=decoding.huge_pages_on(), moved_bytes=moved, seconds=seconds,
-                in_huge_pages_bytes=sum(decoding.huge_page_bytes(p) for p in storages.values()))
+                in_huge_pages_bytes=decoding.huge_page_bytes(*model.parameters()))
 
 
 PYTHON_WRAPPER = dict(fullgraph=True, dynamic=False)  # compile=True's options on a CPU, less its C++ wrapper
@@ -487,6 +490,28 @@ def main():
                                             runs={k: rates[name, threads, k] for k in systems})
         s['tokens_equal_package_generate'] = {k: all(equal[name, k]) for k in systems if k not in ('llama.cpp', BARE)}
         s['tokens_equal_bare_step'] = all(equal[name, BARE])  # another order of sums: a tie may differ
+    # the target's pair alone, in close turns: the compiled step against llama.cpp, HEAD_TO_HEAD rounds, each
+    # first in half of them (two threads share two cores with whatever else the machine runs, which comes and goes)
+    if args.llamacpp_python:
+        for name, (hf, ours) in shapes.items():
+            ids = torch.randint(3, SHAPES[name]['vocab_size'], (1, PROMPT), generator=torch.Generator().manual_seed(0))
+            pairs = {}
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                runs = collections.defaultdict(list)
+                for r in range(HEAD_TO_HEAD):
+                    for system in ('package compiled', 'llama.cpp')[::1 - 2 * (r % 2)]:
+                        with torch.no_grad():
+                            runs[system].append(ours_rate(ours, ids, NEW, compile=True)[0] if system != 'llama.cpp'
+                                                else llamacpp_rate(args.llamacpp_python, ggufs[name], threads))
+                median = {k: statistics.median(v) for k, v in runs.items()}
+                pairs[f'{threads}'] = dict(tok_s=median, ratio=median['package compiled'] / median['llama.cpp'],
+                                           ratio_each_round=[a / b for a, b in zip(runs['package compiled'],
+                                                                                   runs['llama.cpp'])],
+                                           runs=dict(runs))
+                print(name, threads, 'head to head', pairs[f'{threads}']['tok_s'], flush=True)
+            torch.set_num_threads(1)
+            result['shapes'][name]['head_to_head'] = pairs
     # what a token costs along the context and the batch, the package at 1 thread
     torch.set_num_threads(1)
     for name, (hf, ours) in shapes.items():

@@ -409,20 +409,20 @@ def huge_page_buffer(
 
 # %% ../nbs/07_batches.ipynb #hp000005
 def huge_page_bytes(
-    t:Tensor, # a CPU tensor
-) -> int: # bytes of the mapping holding its storage that lie in 2 MiB pages
-    "Linux's count (/proc/self/smaps, AnonHugePages) for `t`'s mapping; 0 elsewhere."
-    address = t.untyped_storage().data_ptr()
+    *tensors:Tensor, # CPU tensors
+) -> int: # bytes in 2 MiB pages of the mappings holding their storages, each once
+    "Linux's count for the tensors' mappings (smaps' AnonHugePages); 0 elsewhere."
+    addresses = {t.untyped_storage().data_ptr() for t in tensors}
     try: lines = Path('/proc/self/smaps').read_text().splitlines()
     except OSError: return 0
-    inside = False
+    total, inside = 0, False  # the kernel may merge neighbouring mappings into one
     for line in lines:
         head = line.split(maxsplit=1)[0] if line.strip() else ''
         if '-' in head and not head.endswith(':'):  # a mapping: start-end perms ...
             low, high = (int(a, 16) for a in head.split('-'))
-            inside = low <= address < high
-        elif inside and head == 'AnonHugePages:': return int(line.split()[1]) * 1024
-    return 0
+            inside = any(low <= a < high for a in addresses)
+        elif inside and head == 'AnonHugePages:': total += int(line.split()[1]) * 1024
+    return total
 
 # %% ../nbs/07_batches.ipynb #hp000007
 def weights_in_huge_pages(
@@ -439,7 +439,8 @@ def weights_in_huge_pages(
                     or p.layout != torch.strided or p.is_quantized): continue
             storage = p.untyped_storage()
             key = storage.data_ptr()
-            if storage.nbytes() < min_bytes or key % HUGE_PAGE == 0: continue
+            if (storage.nbytes() < min_bytes or key % HUGE_PAGE == 0
+                    or storage.is_shared()): continue  # other processes see it
             if key not in moved:
                 moved[key] = huge_page_buffer(storage.nbytes())
                 moved[key].copy_(torch.empty(0, dtype=torch.uint8).set_(storage))

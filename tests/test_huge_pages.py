@@ -43,6 +43,7 @@ def test_linux_backs_the_buffer_with_huge_pages():
     "The advice is taken: after it is written, Linux reports most of 64 MiB in 2 MiB pages (it may refuse a few)."
     b = huge_page_buffer(2 ** 26).fill_(1)
     assert huge_page_bytes(b) >= 2 ** 25, huge_page_bytes(b)
+    assert huge_page_bytes(b, b[10:], b.view(torch.float32)) == huge_page_bytes(b)  # one mapping, counted once
 
 
 @pytest.mark.parametrize('tied', [False, True])
@@ -121,3 +122,13 @@ def test_generate_and_the_engine_move_the_weights_and_write_the_same_tokens(monk
     fresh = wide()
     Engine(fresh, num_blocks=8)
     assert fresh.token_emb.weight.data_ptr() % HUGE_PAGE == 0
+
+
+def test_weights_shared_with_other_processes_stay_where_they_are():
+    "share_memory_() puts a storage where other processes map it: moving it would part them from the model's weights."
+    model = wide()
+    model.token_emb.weight.share_memory_()
+    pointer = model.token_emb.weight.data_ptr()
+    weights_in_huge_pages(model)
+    assert model.token_emb.weight.data_ptr() == pointer and model.token_emb.weight.is_shared()
+    if ON: assert model.head.weight.data_ptr() % HUGE_PAGE == 0   # the rest still moves

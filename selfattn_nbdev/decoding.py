@@ -433,7 +433,7 @@ def weights_in_huge_pages(
     check_size(min_bytes, 'min_bytes')
     if not huge_pages_on(): return 0
     moved = {}  # old storage's address -> its bytes in advised memory
-    with torch.no_grad():
+    with torch.inference_mode(False), torch.no_grad():  # ordinary tensors, trainable
         for p in model.parameters():
             if (type(p.data) is not Tensor or p.device.type != 'cpu'  # DTensor, meta
                     or p.layout != torch.strided or p.is_quantized): continue

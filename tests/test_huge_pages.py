@@ -78,7 +78,7 @@ def test_a_stacked_group_moves_as_one_storage_and_stays_stacked():
     assert attn.W_query.weight.data_ptr() == pointers[0]
 
 
-def test_a_moved_model_trains_saves_loads_and_copies():
+def test_a_moved_model_trains_saves_loads_copies_and_shares():
     model = wide()
     weights_in_huge_pages(model)
     ids = torch.randint(0, 2048, (2, 9))
@@ -89,6 +89,7 @@ def test_a_moved_model_trains_saves_loads_and_copies():
     buffer = io.BytesIO(); torch.save(model.state_dict(), buffer); buffer.seek(0)
     again = wide(); again.load_state_dict(torch.load(buffer, weights_only=True))
     twin = copy.deepcopy(model)
+    model.share_memory()                                       # moved again, into shared memory
     model.eval(); again.eval(); twin.eval()
     with torch.no_grad():
         assert torch.equal(again(ids), model(ids)) and torch.equal(twin(ids), model(ids))
@@ -132,3 +133,14 @@ def test_weights_shared_with_other_processes_stay_where_they_are():
     weights_in_huge_pages(model)
     assert model.token_emb.weight.data_ptr() == pointer and model.token_emb.weight.is_shared()
     if ON: assert model.head.weight.data_ptr() % HUGE_PAGE == 0   # the rest still moves
+
+
+def test_weights_moved_under_inference_mode_still_train():
+    "generate may run under torch.inference_mode(): the moved weights must stay ordinary tensors, as stack_weights keeps them."
+    model = wide()
+    with torch.inference_mode():
+        weights_in_huge_pages(model)
+        generate(model, torch.randint(0, 2048, (1, 4)), 2, stop_ids=[], compile=False)
+    assert not any(p.is_inference() for p in model.parameters())
+    model.train(); model(torch.randint(0, 2048, (1, 5))).sum().backward()
+    assert model.token_emb.weight.grad is not None

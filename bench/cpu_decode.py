@@ -44,9 +44,11 @@ llama.cpp's is. Recorded:
   HEAD_TO_HEAD rounds, each first in half of them: medians, their ratio and each round's (skipped without
   llama.cpp);
 - `costs`: at 1 thread, contexts of 32, 512 and the longest the shape takes less the new tokens (1,984 for the
-  Llama shape, 960 for GPT-2's 1,024) at batch 1, and batches of 4 and 16 at 32: the package's `generate`, with the
-  bytes a step reads over its time, and beside it transformers (dynamic and static cache) and llama.cpp (batch 1:
-  llama-cpp-python decodes one sequence); medians of the rounds, the systems in turns within each (`runs`);
+  Llama shape, 960 for GPT-2's 1,024) at batch 1, and batches of 4 and 16 at 32: the package's eager `generate`
+  and its compiled step (`compiled`: `compile=True`, a graph per batch and bound, compiled before the rounds), each
+  with the bytes a step reads over its time and that rate over the one-thread read rate (`fraction_of_limit`), and
+  beside them transformers (dynamic and static cache) and llama.cpp (batch 1: llama-cpp-python decodes one
+  sequence); medians of the rounds, the systems in turns within each (`runs`);
 - `profile`: one decode step of each shape at 1 thread under torch's profiler, its time by kind of work, and the
   time outside torch's operators (Python and dispatch); `profile_compiled` the compiled step's, and
   `profile_compiled (4 KiB pages)` the same with the weights in ordinary memory;
@@ -248,6 +250,21 @@ def hf_rate(hf, ids, new, static=False) -> tuple:
     first = time.perf_counter() - start
     start = time.perf_counter(); out = hf.generate(ids, **options); whole = time.perf_counter() - start
     return (new - 1) * ids.shape[0] / (whole - first), out[:, ids.shape[1]:]
+
+
+def cost_entry(runs: dict, read: int, batch: int, bandwidth: float) -> dict:
+    """One context and batch of `costs`: the medians of `runs` (tok/s, every row's tokens); for the package's eager
+    step (`package`) and compiled one (`package compiled`, if timed), the `read` bytes a step reads over its time
+    (GB/s) and that rate over `bandwidth` (bytes/s, one thread)."""
+    median = lambda k: statistics.median(runs[k]) if runs.get(k) else None
+    def package(rate):
+        step_s = batch / rate  # a step writes one token to each row
+        return dict(tok_s=rate, read_gb_s=read / step_s / 1e9, fraction_of_limit=read / step_s / bandwidth)
+    entry = dict(package(median('package')), bytes_a_step=read,
+                 others={k: median(k) for k in ('transformers dynamic', 'transformers static', 'llama.cpp')},
+                 runs=dict(runs))
+    if runs.get('package compiled'): entry['compiled'] = package(median('package compiled'))
+    return entry
 
 
 def llamacpp_rate(python, path, threads, prompt=PROMPT) -> float:
@@ -514,29 +531,27 @@ def main():
             result['shapes'][name]['head_to_head'] = pairs
     # what a token costs along the context and the batch, the package at 1 thread
     torch.set_num_threads(1)
+    one_thread = max(result['bandwidth']['1_thread'].values())  # bytes/s: the limit of every row
     for name, (hf, ours) in shapes.items():
         longest = SHAPES[name].get('n_positions', SHAPES[name].get('max_position_embeddings'))
         costs = {}
         for context, batch in [(32, 1), (512, 1), (min(2048, longest) - NEW, 1), (32, 4), (32, 16)]:
             ids = torch.randint(3, SHAPES[name]['vocab_size'], (batch, context))
+            with torch.no_grad(): ours_rate(ours, ids, NEW, compile=True)  # its graphs, before the rounds
             runs = collections.defaultdict(list)  # the systems in turns, round by round: a moment of the
             for r in range(args.rounds):          # machine is shared, and the medians are compared
                 with torch.no_grad():
                     runs['package'].append(ours_rate(ours, ids, NEW)[0])
+                    runs['package compiled'].append(ours_rate(ours, ids, NEW, compile=True)[0])
                     runs['transformers dynamic'].append(hf_rate(hf, ids, NEW)[0])
                     runs['transformers static'].append(hf_rate(hf, ids, NEW, True)[0])
                 if args.llamacpp_python and batch == 1:  # llama-cpp-python decodes one sequence
                     runs['llama.cpp'].append(llamacpp_rate(args.llamacpp_python, ggufs[name], 1, context))
-            rate = statistics.median(runs['package'])
-            others = {k: statistics.median(runs[k]) if runs.get(k) else None
-                      for k in ('transformers dynamic', 'transformers static', 'llama.cpp')}
             kv = 2 * len(ours.blocks) * ours.blocks[0].attn.num_kv_heads * ours.blocks[0].attn.head_dim * 4
             read = result['shapes'][name]['bytes_a_token'] + batch * (context + NEW // 2) * kv   # a step's bytes
-            step_s = batch / rate
-            costs[f'context {context}, batch {batch}'] = dict(tok_s=rate, bytes_a_step=read,
-                                                              read_gb_s=read / step_s / 1e9, others=others,
-                                                              runs=dict(runs))
-            print(name, context, batch, f'{rate:.1f} tok/s', others, flush=True)
+            entry = costs[f'context {context}, batch {batch}'] = cost_entry(runs, read, batch, one_thread)
+            print(name, context, batch, f"{entry['tok_s']:.1f} tok/s, compiled {entry['compiled']['tok_s']:.1f}",
+                  entry['others'], flush=True)
         result['shapes'][name]['costs'] = costs
         result['shapes'][name]['profile'] = profile_step(ours)
         result['shapes'][name]['profile_blas'] = profile_step(ours, 'blas')

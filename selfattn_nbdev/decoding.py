@@ -155,6 +155,16 @@ def onednn_linear(
     "`F.linear` by oneDNN's kernel (PyTorch's `mkldnn` operators) instead of the BLAS."
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, 'none', [], '')
 
+# a compiled step's oneDNN: Inductor lowers the mkldnn operator for frozen weights only,
+# so the graph calls this operator, opaque to it; defined once in a process
+try: _onednn_linear_op = torch.ops.selfattn_nbdev.onednn_linear
+except AttributeError:
+    @torch.library.custom_op('selfattn_nbdev::onednn_linear', mutates_args=())
+    def _onednn_linear_op(x:Tensor, weight:Tensor, bias:Tensor|None) -> Tensor:
+        return onednn_linear(x, weight, bias)
+    @_onednn_linear_op.register_fake
+    def _(x, weight, bias): return x.new_empty(*x.shape[:-1], weight.shape[0])
+
 def row_dot(
     x:Tensor, # one row, (..., 1, d_in) or (d_in,)
     weight:Tensor, # (d_out, d_in)
@@ -183,8 +193,12 @@ class _Routed:
             return F.linear(x, weight, bias)  # training (autograd's), or a cast
         rows = x.numel() // max(x.shape[-1], 1)
         if torch.compiler.is_compiling():  # one row: Inductor's loop where it is faster
-            return (row_dot(x, weight, bias) if self.loop and rows == 1
-                    else F.linear(x, weight, bias))
+            if self.loop and rows == 1: return row_dot(x, weight, bias)
+            # rows measured before it: a graph times nothing
+            chosen = self.kernels.fixed or self.kernels.chosen.get(rows)
+            if chosen == 'onednn' and x.is_contiguous():
+                return _onednn_linear_op(x, weight, bias)
+            return F.linear(x, weight, bias)
         if self.kernels(rows) == 'onednn' and x.is_contiguous():
             return onednn_linear(x, weight, bias)
         return F.linear(x, weight, bias)

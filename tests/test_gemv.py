@@ -243,8 +243,9 @@ def test_compiled_row_dot_computes_its_input_once_not_per_row():
 
 @pytest.mark.parametrize('compiled,measured', [(True, 'loop'), (True, 'blas'), (False, 'loop')])
 def test_a_compiled_step_takes_row_dot_for_one_row_only_where_measured_faster(compiled, measured, monkeypatch):
-    """Traced by Dynamo (is_compiling): told it is compiled and row_dot measured faster, one row is row_dot; more rows,
-    row_dot slower (the graph calls the BLAS), or not told, F.linear."""
+    """Traced by Dynamo (is_compiling): told it is compiled and row_dot measured faster, one row is row_dot; row_dot
+    slower (the graph calls the BLAS), or not told, F.linear; more rows, the kernel measured for them (here oneDNN,
+    through its operator)."""
     model, dots = _llama(), []
     real = decoding.row_dot
     monkeypatch.setattr(decoding, 'row_dot', lambda *a: dots.append(a[0].shape) or real(*a))
@@ -253,14 +254,38 @@ def test_a_compiled_step_takes_row_dot_for_one_row_only_where_measured_faster(co
     with torch.no_grad(), faster_products(model, 'onednn', compiled=compiled):
         eager = model(torch.randint(0, 64, (1, 1), generator=torch.Generator().manual_seed(0)))
         monkeypatch.setattr(torch.compiler, 'is_compiling', lambda: True)
-        traced = model(torch.randint(0, 64, (1, 1), generator=torch.Generator().manual_seed(0)))
-        model(torch.randint(0, 64, (2, 1)))                       # two rows: F.linear
+        try:
+            traced = model(torch.randint(0, 64, (1, 1), generator=torch.Generator().manual_seed(0)))
+            model(torch.randint(0, 64, (2, 1)))                   # two rows: oneDNN's operator
+        finally:  # Dynamo's map of torch's functions, if made meanwhile, holds the stand-in: made again later
+            monkeypatch.undo(); torch._dynamo.trace_rules.clear_lru_cache()
     linears = sum(type(m) is nn.Linear for m in model.modules())
     assert len(dots) == (linears if compiled and measured == 'loop' else 0)
-    assert len(calls) == linears                                  # the eager call only: oneDNN
+    one_row = 0 if compiled and measured == 'loop' else linears   # traced one row: oneDNN unless row_dot
+    assert calls == [1] * (linears + one_row) + [2] * linears     # the eager row, the traced, two rows
     torch.testing.assert_close(traced, eager, rtol=1e-5, atol=1e-5)
     with pytest.raises(TypeError, match="compiled must be True or False; got 'yes'"):
         with faster_products(model, compiled='yes'): pass
+
+
+@pytest.mark.slow
+def test_a_compiled_step_of_several_rows_multiplies_by_the_kernel_measured_for_them(monkeypatch):
+    """Inductor lowers oneDNN's linear for frozen weights only, and F.linear in a graph is the BLAS: where oneDNN was
+    measured faster, a compiled step of two rows calls it (the package's operator) for every product, and its logits
+    are the eager step's."""
+    model, ids = _llama(), torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    calls = _count(monkeypatch)
+    with torch.no_grad(), decoding.stacked(model), faster_products(model, 'onednn', compiled=True, rows=(2, 16)):
+        compiled_caches, eager_caches = model.new_caches(64), model.new_caches(64)
+        model(ids, compiled_caches); nxt = model(ids, eager_caches)[:, -1:].argmax(-1)       # (2, 1)
+        step = decoding._decode_step(model, True)
+        for _ in range(2):
+            calls.clear()
+            got, want = step(nxt, compiled_caches), model(nxt, eager_caches)              # (2, 1, vocab)
+            products = len(calls) // 2                                     # the compiled step's, then eager's
+            assert calls == [2] * 2 * products and products == 2 * 4 + 1   # q k v, out, gate up, down; head
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            nxt = want[:, -1:].argmax(-1)
 
 
 def test_compiled_gemv_kernel_measures_once_and_keeps_a_clear_win_only(monkeypatch, caplog):

@@ -120,6 +120,6 @@ def test_a_cost_row_gives_each_step_its_rate_and_its_fraction_of_the_limit():
     row = cpu_decode.cost_entry(runs, read=10**9, batch=4, bandwidth=25e9)
     assert row['tok_s'] == 20.0 and row['compiled']['tok_s'] == 50.0
     assert row['read_gb_s'] == pytest.approx(5.0) and row['fraction_of_limit'] == pytest.approx(0.2)  # 5 steps/s
-    assert row['compiled']['read_gb_s'] == pytest.approx(12.5) and row['compiled']['fraction_of_limit'] == 0.5
+    assert row['compiled']['read_gb_s'] == pytest.approx(12.5) and row['compiled']['fraction_of_limit'] == pytest.approx(0.5)
     assert row['others'] == {'transformers dynamic': 5.0, 'transformers static': 7.0, 'llama.cpp': None}
     assert 'compiled' not in cpu_decode.cost_entry({'package': [1.0]}, 1, 1, 1.0)  # not timed: no entry

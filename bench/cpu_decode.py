@@ -24,8 +24,8 @@ llama.cpp's is. Recorded:
   `compiled_gemv_kernel`'s probe too, which a new process measures again);
 - `gemv_kernel`: per shape and thread count, the kernel the package's `gemv_kernel` chose for one token's products
   (the BLAS behind F.linear, or oneDNN), `gemm_kernel` for a prompt's and `compiled_gemv_kernel` for a compiled
-  step's one row (Inductor's loop, row_dot, or the BLAS), and the seconds each measurement took (the last includes
-  its compile, with an empty kernel cache);
+  step's one row (Inductor's loop, row_dot, or, where it does not win, the kernel `gemv_kernel` chose), and the
+  seconds each measurement took (the last includes its compile, with an empty kernel cache);
 - `prefill_ms`: per shape and thread count, one forward over a 512-token prompt with the measured kernels and with
   every product by the BLAS, medians of twice the rounds, in turns, each first in half of them;
 - `peers`: 1 and 2 threads, a 32-token prompt and 64 new tokens at batch 1, rounds interleaving the package's
@@ -155,7 +155,7 @@ def ours_rate(model, ids, new, static=None, compile=False, kernel=None) -> tuple
 
 def chosen_kernel(model) -> dict:
     """What `gemv_kernel` (one row), `gemm_kernel` (a prompt's rows) and `compiled_gemv_kernel` (a compiled step's
-    one row: Inductor's loop or the BLAS) choose at this thread count (kept after), and the seconds each took; on the
+    one row: the loop, or gemv_kernel's) choose at this thread count (kept after), and the seconds each took; on the
     matrices `generate` multiplies by (inside `stacked`: q, k, v one product, gate and up one)."""
     with decoding.stacked(model):
         start = time.perf_counter(); kernel = decoding.gemv_kernel(model); gemv_s = time.perf_counter() - start

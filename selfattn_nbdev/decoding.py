@@ -194,9 +194,7 @@ class _Routed:
         rows = x.numel() // max(x.shape[-1], 1)
         if torch.compiler.is_compiling():  # one row: Inductor's loop where it is faster
             if self.loop and rows == 1: return row_dot(x, weight, bias)
-            # rows measured before it: a graph times nothing
-            chosen = self.kernels.fixed or self.kernels.chosen.get(rows)
-            if chosen == 'onednn' and x.is_contiguous():
+            if self.kernels.known(rows) == 'onednn' and x.is_contiguous():
                 return _onednn_linear_op(x, weight, bias)
             return F.linear(x, weight, bias)
         if self.kernels(rows) == 'onednn' and x.is_contiguous():
@@ -245,13 +243,13 @@ def _step_weights(
         weights.append(w); total += w.nbytes
     return weights, total
 
-def _beats_blas(kernel, weights:list, xs:dict, blas_weights:list|None=None) -> bool:
-    "Whether `kernel`'s best pass is under PROBE_WIN of the BLAS's best, in turns."
-    times = {'blas': [], 'other': []}
+def _beats(kernel, weights:list, xs:dict, base=F.linear, base_weights=None) -> bool:
+    "Whether `kernel`'s best pass is under PROBE_WIN of `base`'s best, in turns."
+    times = {'base': [], 'kernel': []}
     for _ in range(PROBE_PASSES):  # alternated: the machine's moments shared
-        times['blas'].append(_timed(F.linear, blas_weights or weights, xs))
-        times['other'].append(_timed(kernel, weights, xs))
-    return min(times['other']) < PROBE_WIN * min(times['blas'])  # each at its best
+        times['base'].append(_timed(base, base_weights or weights, xs))
+        times['kernel'].append(_timed(kernel, weights, xs))
+    return min(times['kernel']) < PROBE_WIN * min(times['base'])  # each at its best
 
 _log = logging.getLogger("selfattn_nbdev.decoding")  # what a measurement cost, at INFO
 
@@ -271,7 +269,7 @@ def _faster(linears:list, rows:int, most:int) -> str: # most: bytes of weights r
             w, x = weights[0], xs[weights[0].shape[1]]
             error = (onednn_linear(x, w) - F.linear(x, w)).abs().max()
             if not error <= 1e-4 * (x.abs() @ w.abs().T).max(): return 'blas'
-            faster = _beats_blas(onednn_linear, weights, xs)
+            faster = _beats(onednn_linear, weights, xs)
     except (RuntimeError, AttributeError, NotImplementedError): return 'blas'
     _MEASURED[key] = 'onednn' if faster else 'blas'
     _log.info(f"rows_kernel: {_MEASURED[key]} for {rows} row(s) at {key[1]} "
@@ -308,8 +306,11 @@ class _Kernels:
     "The kernel of each number of rows in one block: fixed, or measured when first met."
     def __init__(self, model:nn.Module, linears:list, fixed:str|None=None):
         self.model, self.linears, self.fixed, self.chosen = model, linears, fixed, {}
+    def known(self, rows:int) -> str|None: # one of KERNELS; None: not measured yet
+        "Fixed, or measured for `rows` before: what a graph may call (it times nothing)"
+        return self.fixed or self.chosen.get(rows)
     def __call__(self, rows:int) -> str: # one of KERNELS
-        kernel = self.fixed or self.chosen.get(rows)
+        kernel = self.known(rows)
         if kernel is None:  # a number of rows first met in this block
             kernel = self.chosen[rows] = rows_kernel(self.model, rows, self.linears)
         return kernel
@@ -327,22 +328,23 @@ def _loop_product(x:Tensor, W:Tensor) -> Tensor: # (1, d_in), (k, d_out, d_in)
     # leaves Dynamo a KeyError at exit under execnb
     return (x.unsqueeze(-2) * W).sum(-1)  # (k, d_out): one loop
 
-_LOOPED = {}  # (threads, k, d_out, d_in) -> 'loop' | 'blas'
+_LOOPED = {}  # (threads, k, d_out, d_in, one row's kernel) -> 'loop' | that kernel
 _LOOP_GRAPHS = 64  # the shapes the probe may compile in a process
 
 def compiled_gemv_kernel(
     model:nn.Module, # its plain float32 CPU linears: what a compiled step reads
     linears:list|None=None, # those linears, if found already (None: found here)
-) -> str: # 'loop' (row_dot, compiled by Inductor) or 'blas' (F.linear, from the graph)
+) -> str: # 'loop' (row_dot, compiled by Inductor), or gemv_kernel's: one of KERNELS
     "Which multiplies one token by the weights faster in a compiled step: measured once"
     import torch._inductor.inductor_prims  # noqa: F401 (row_dot's op, before tracing)
     if linears is None: linears = _linears(model)
+    other = rows_kernel(model, 1, linears)  # what the graph calls if the loop loses
     weights, _ = _step_weights(linears, 64 * 2**20)
-    if not weights: return 'blas'
+    if not weights: return other
     shape = max({w.shape for w in weights},  # the shape that holds the most bytes
                 key=lambda s: sum(w.nbytes for w in weights if w.shape == s))
     group = [w.detach() for w in weights if w.shape == shape]
-    key = (torch.get_num_threads(), len(group), *shape)
+    key = (torch.get_num_threads(), len(group), *shape, other)
     if key in _LOOPED: return _LOOPED[key]
     W, start = torch.stack(group), time.perf_counter()  # (k, d_out, d_in): a copy
     x = torch.randn(1, W.shape[-1], generator=torch.Generator().manual_seed(0))
@@ -353,15 +355,16 @@ def compiled_gemv_kernel(
             _forget_old_main()  # a notebook's copy of _loop_product (see the core)
             loop = torch.compile(_loop_product, fullgraph=True, dynamic=False)
             error = (loop(x, W) - W @ x[0]).abs().max()  # (k, d_out) compared
-            if not error <= 1e-4 * (x.abs() @ W.abs().mT).max(): return 'blas'
-            faster = _beats_blas(lambda x, _: loop(x, W), W[:1],  # all at once,
-                                 {W.shape[-1]: x}, list(W))  # the BLAS one by one
+            if not error <= 1e-4 * (x.abs() @ W.abs().mT).max(): return other
+            base = onednn_linear if other == 'onednn' else F.linear
+            faster = _beats(lambda x, _: loop(x, W), W[:1],  # all at once,
+                            {W.shape[-1]: x}, base, list(W))  # the other one by one
     except Exception as e:
         warnings.warn(f"compiled_gemv_kernel: row_dot did not compile "
                       f"({type(e).__name__}: {e}); a compiled step multiplies one "
-                      f"row by F.linear's BLAS")
-        return 'blas'
-    _LOOPED[key] = 'loop' if faster else 'blas'
+                      f"row by {'oneDNN' if other == 'onednn' else 'the BLAS'}")
+        return other
+    _LOOPED[key] = 'loop' if faster else other
     _log.info(
         f"compiled_gemv_kernel: {_LOOPED[key]} for one row at {key[0]} thread(s), "
         f"measured in {time.perf_counter() - start:.1f} s (the loop's compile too)")

@@ -7,8 +7,9 @@ from torch import nn
 import selfattn_nbdev.decoding as decoding
 from selfattn_nbdev import generate
 from selfattn_nbdev.models import GPT2, Llama
-from selfattn_nbdev.decoding import (GEMM_PROBE_ROWS, GEMV_ROWS, compiled_gemv_kernel, faster_products, gemm_kernel,
-                                     gemv_kernel, onednn_linear, row_bucket, row_dot, rows_kernel, stacked)
+from selfattn_nbdev.decoding import (GEMM_PROBE_ROWS, GEMV_ROWS, KERNELS, compiled_gemv_kernel, faster_products,
+                                     gemm_kernel, gemv_kernel, onednn_linear, row_bucket, row_dot, rows_kernel,
+                                     stacked)
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason='a build without oneDNN')
 
@@ -288,36 +289,43 @@ def test_a_compiled_step_of_several_rows_multiplies_by_the_kernel_measured_for_t
             nxt = want[:, -1:].argmax(-1)
 
 
-def test_compiled_gemv_kernel_measures_once_and_keeps_a_clear_win_only(monkeypatch, caplog):
-    """The compiled loop against the BLAS, seven passes each on the largest group of one shape; kept per thread count.
-    Each measurement (a compile's pause) is said at INFO with its choice and seconds; a kept answer says nothing."""
+@pytest.mark.parametrize('one_row', KERNELS)
+def test_compiled_gemv_kernel_measures_once_and_keeps_a_clear_win_only(one_row, monkeypatch, caplog):
+    """The compiled loop against the kernel `gemv_kernel` chose for one row (what the graph calls without the loop),
+    seven passes each on the largest group of one shape; kept per thread count. Each measurement (a compile's
+    pause) is said at INFO with its choice and seconds; a kept answer says nothing."""
     import logging
     caplog.set_level(logging.INFO, logger='selfattn_nbdev.decoding')
     said = lambda: [r.getMessage() for r in caplog.records if r.name == 'selfattn_nbdev.decoding']
     model = _llama()
     monkeypatch.setattr(decoding, '_LOOPED', {})
+    monkeypatch.setattr(decoding, 'rows_kernel', lambda model, rows, linears=None: one_row)
     monkeypatch.setattr(torch, 'compile', lambda fn, **options: fn)   # eager row_dot: the rule, not Inductor
-    timed = []
-    def fake(kernel, weights, xs):  # the loop takes `ratio` of BLAS's time
+    base = {'blas': F.linear, 'onednn': onednn_linear}[one_row]
+    timed, bases = [], []
+    def fake(kernel, weights, xs):  # the loop takes `ratio` of the other kernel's time
         timed.append(len(weights))
-        return 1.0 if kernel is F.linear else ratio
+        if kernel in (F.linear, onednn_linear): bases.append(kernel); return 1.0
+        return ratio
     monkeypatch.setattr(decoding, '_timed', fake)
     ratio = 0.8
     assert compiled_gemv_kernel(model) == 'loop' and len(timed) == 14
     assert compiled_gemv_kernel(model) == 'loop' and len(timed) == 14  # kept: not measured again
+    assert bases == [base] * 7                                       # against the one-row kernel only
     assert len(said()) == 1 and said()[0].startswith(
         f'compiled_gemv_kernel: loop for one row at {torch.get_num_threads()} thread(s), measured in '), said()
     # the largest group of one shape: the MLP's gate and up weights (128, 32), two a layer: four, timed one by one
-    # by the BLAS, and all at once by the loop
-    assert sorted(set(timed)) == [1, 4] and [*decoding._LOOPED][0][1:] == (4, 128, 32)
-    decoding._LOOPED.clear(); ratio = 0.97                          # within 5 %: the BLAS stays
-    assert compiled_gemv_kernel(model) == 'blas'
-    assert len(said()) == 2 and said()[1].startswith('compiled_gemv_kernel: blas for one row'), said()
+    # by the other kernel, and all at once by the loop
+    assert sorted(set(timed)) == [1, 4] and [*decoding._LOOPED][0][1:] == (4, 128, 32, one_row)
+    decoding._LOOPED.clear(); ratio = 0.97                          # within 5 %: the other kernel stays
+    assert compiled_gemv_kernel(model) == one_row
+    assert len(said()) == 2 and said()[1].startswith(f'compiled_gemv_kernel: {one_row} for one row'), said()
 
 
 def test_a_row_dot_that_does_not_compile_leaves_the_blas_and_says_so(monkeypatch):
     model = _llama()
     monkeypatch.setattr(decoding, '_LOOPED', {})
+    monkeypatch.setattr(decoding, 'rows_kernel', lambda model, rows, linears=None: 'blas')
     def no_compiler(fn, **options): raise RuntimeError('no C++ compiler found')
     monkeypatch.setattr(torch, 'compile', no_compiler)
     with pytest.warns(UserWarning, match=r"row_dot did not compile \(RuntimeError: no C\+\+ compiler found\)"):
@@ -329,7 +337,7 @@ def test_compiled_gemv_kernel_really_compiles_row_dot_here():
     "Inductor's loop, compiled for a small model's weights on this machine: a kernel named, kept for the next call."
     model = _llama()
     answer = compiled_gemv_kernel(model)
-    assert answer in ('loop', 'blas') and compiled_gemv_kernel(model) == answer
+    assert answer in ('loop', *KERNELS) and compiled_gemv_kernel(model) == answer
     assert any(key[0] == torch.get_num_threads() for key in decoding._LOOPED)
 
 

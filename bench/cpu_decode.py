@@ -39,14 +39,18 @@ llama.cpp's is. Recorded:
   (dynamic and static cache), `bare step (no package)` (`headroom`'s row-major step, in the rounds: what an eager
   step reaches with nothing but the arithmetic; its tokens are compared apart, `tokens_equal_bare_step`, since its
   sums run in another order) and llama.cpp (skipped without `--llamacpp-python`, a Python with llama-cpp-python
-  and gguf: see bench/llamacpp_child.py); medians of the rounds;
+  and gguf: see bench/llamacpp_child.py); medians of the rounds. Each round also measures the read rate again
+  (`round_read_rate`: torch's sum over 1 GiB of 2 MiB pages, beside the systems, since a machine's rate drifts
+  within a run): `limit_tok_s` and `fraction_of_limit` are over its median (`read_rate_each_round`), and
+  `limit_at_start_tok_s` is the limit by `bandwidth` above;
 - `head_to_head`: per shape and thread count, `generate(compile=True)` and llama.cpp alone, in close turns,
   HEAD_TO_HEAD rounds, each first in half of them: medians, their ratio and each round's (skipped without
   llama.cpp);
 - `costs`: at 1 thread, contexts of 32, 512 and the longest the shape takes less the new tokens (1,984 for the
   Llama shape, 960 for GPT-2's 1,024) at batch 1, and batches of 4 and 16 at 32: the package's eager `generate`
   and its compiled step (`compiled`: `compile=True`, a graph per batch and bound, compiled before the rounds), each
-  with the bytes a step reads over its time and that rate over the one-thread read rate (`fraction_of_limit`), and
+  with the bytes a step reads over its time and that rate over the one-thread read rate measured in the same rounds
+  (`fraction_of_limit`, `read_rate_each_round`), and
   beside them transformers (dynamic and static cache) and llama.cpp (batch 1: llama-cpp-python decodes one
   sequence); medians of the rounds, the systems in turns within each (`runs`);
 - `profile`: one decode step of each shape at 1 thread under torch's profiler, its time by kind of work, and the
@@ -54,7 +58,8 @@ llama.cpp's is. Recorded:
   `profile_compiled (4 KiB pages)` the same with the weights in ordinary memory;
 - `headroom`: a bare decode step written against the same weights (no checks, no masks, fused projections: what
   gpt-fast writes), with the weights row-major and column-major, to show what the step could reach;
-- `large`: a 1 B Llama shape (Llama 3.2 1B's sizes, 4.9 GB in float32) at 1 and 2 threads, 16 new tokens.
+- `large`: a 1 B Llama shape (Llama 3.2 1B's sizes, 4.9 GB in float32) at 1 and 2 threads, 16 new tokens, against
+  the read rate measured just before and after it (`read_rate_around`).
 Printed and written; nothing is asserted.
 """
 import argparse, collections, contextlib, datetime, json, os, platform, shlex, statistics, subprocess, sys, tempfile, time
@@ -127,6 +132,15 @@ def read_rates(threads: int) -> dict:
             start = time.perf_counter(); f(); times.append(time.perf_counter() - start)
         best[name] = x.nbytes / min(times)
     return best
+
+
+def round_read_rate(pages) -> float:
+    """Bytes a second of torch's sum over `pages` (1 GiB advised for 2 MiB pages, made once), best of 3 at the thread
+    count set: the limit measured again beside each round's systems, since the machine's rate drifts within a run."""
+    times = []
+    for _ in range(3):
+        start = time.perf_counter(); pages.sum(); times.append(time.perf_counter() - start)
+    return pages.nbytes / min(times)
 
 
 def gemv_rate(model, column_major: bool, onednn: bool = False) -> float:
@@ -471,11 +485,14 @@ def main():
                'transformers dynamic', 'transformers static', BARE]
     if args.llamacpp_python: systems.append('llama.cpp')
     rates, equal = collections.defaultdict(list), collections.defaultdict(list)
+    pages = decoding.huge_page_buffer(2**30).view(torch.float32).fill_(1.0)  # round_read_rate's
+    read_in_rounds = collections.defaultdict(list)  # (shape, threads) -> bytes/s, each round
     for r in range(args.rounds):
         for threads in (1, 2):
             torch.set_num_threads(threads)
             for name, (hf, ours) in shapes.items():
                 ids = torch.randint(3, SHAPES[name]['vocab_size'], (1, PROMPT), generator=torch.Generator().manual_seed(r))
+                read_in_rounds[name, threads].append(round_read_rate(pages))
                 with torch.no_grad():
                     got = {'package generate': ours_rate(ours, ids, NEW),
                            'package generate (BLAS)': ours_rate(ours, ids, NEW, kernel='blas'),
@@ -500,10 +517,14 @@ def main():
         s['peers'] = {}
         for threads in (1, 2):
             bw = result['bandwidth'][f'{threads}_thread{"s" * (threads > 1)}']
-            best = max(bw.values()); limit = best / s['bytes_a_token']
+            at_start = max(bw.values()) / s['bytes_a_token']
+            # the limit: the read rate measured in the rounds (its median), beside the systems it bounds
+            in_rounds = read_in_rounds[name, threads]
+            limit = statistics.median(in_rounds) / s['bytes_a_token']
             row = {k: statistics.median(rates[name, threads, k]) for k in systems}
             s['peers'][f'{threads}'] = dict(limit_tok_s=limit, tok_s=row,
                                             fraction_of_limit={k: v / limit for k, v in row.items()},
+                                            read_rate_each_round=in_rounds, limit_at_start_tok_s=at_start,
                                             runs={k: rates[name, threads, k] for k in systems})
         s['tokens_equal_package_generate'] = {k: all(equal[name, k]) for k in systems if k not in ('llama.cpp', BARE)}
         s['tokens_equal_bare_step'] = all(equal[name, BARE])  # another order of sums: a tie may differ
@@ -531,7 +552,6 @@ def main():
             result['shapes'][name]['head_to_head'] = pairs
     # what a token costs along the context and the batch, the package at 1 thread
     torch.set_num_threads(1)
-    one_thread = max(result['bandwidth']['1_thread'].values())  # bytes/s: the limit of every row
     for name, (hf, ours) in shapes.items():
         longest = SHAPES[name].get('n_positions', SHAPES[name].get('max_position_embeddings'))
         costs = {}
@@ -539,7 +559,9 @@ def main():
             ids = torch.randint(3, SHAPES[name]['vocab_size'], (batch, context))
             with torch.no_grad(): ours_rate(ours, ids, NEW, compile=True)  # its graphs, before the rounds
             runs = collections.defaultdict(list)  # the systems in turns, round by round: a moment of the
-            for r in range(args.rounds):          # machine is shared, and the medians are compared
+            in_rounds = []                        # machine is shared, and the medians are compared
+            for r in range(args.rounds):
+                in_rounds.append(round_read_rate(pages))  # the limit, measured beside them
                 with torch.no_grad():
                     runs['package'].append(ours_rate(ours, ids, NEW)[0])
                     runs['package compiled'].append(ours_rate(ours, ids, NEW, compile=True)[0])
@@ -549,7 +571,9 @@ def main():
                     runs['llama.cpp'].append(llamacpp_rate(args.llamacpp_python, ggufs[name], 1, context))
             kv = 2 * len(ours.blocks) * ours.blocks[0].attn.num_kv_heads * ours.blocks[0].attn.head_dim * 4
             read = result['shapes'][name]['bytes_a_token'] + batch * (context + NEW // 2) * kv   # a step's bytes
-            entry = costs[f'context {context}, batch {batch}'] = cost_entry(runs, read, batch, one_thread)
+            entry = costs[f'context {context}, batch {batch}'] = cost_entry(runs, read, batch,
+                                                                            statistics.median(in_rounds))
+            entry['read_rate_each_round'] = in_rounds
             print(name, context, batch, f"{entry['tok_s']:.1f} tok/s, compiled {entry['compiled']['tok_s']:.1f}",
                   entry['others'], flush=True)
         result['shapes'][name]['costs'] = costs
@@ -573,10 +597,13 @@ def main():
         read, large = bytes_a_token(big), {}
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            limit = max(result['bandwidth'][f'{threads}_thread{"s" * (threads > 1)}'].values()) / read
+            at_start = max(result['bandwidth'][f'{threads}_thread{"s" * (threads > 1)}'].values()) / read
             ids = torch.randint(3, LARGE['vocab_size'], (1, PROMPT))
+            around = [round_read_rate(pages)]  # the limit, measured just before and just after
             with torch.no_grad(): rate, _ = ours_rate(big, ids, 16)
-            large[f'{threads}'] = dict(tok_s=rate, limit_tok_s=limit, fraction_of_limit=rate / limit)
+            around.append(round_read_rate(pages)); limit = statistics.mean(around) / read
+            large[f'{threads}'] = dict(tok_s=rate, limit_tok_s=limit, fraction_of_limit=rate / limit,
+                                       read_rate_around=around, limit_at_start_tok_s=at_start)
             print('large', threads, large[f'{threads}'], flush=True)
         result['large'] = dict(config=LARGE, bytes_a_token=read, runs=large)
     load.append(os.getloadavg()[0])

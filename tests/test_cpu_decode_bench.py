@@ -123,3 +123,10 @@ def test_a_cost_row_gives_each_step_its_rate_and_its_fraction_of_the_limit():
     assert row['compiled']['read_gb_s'] == pytest.approx(12.5) and row['compiled']['fraction_of_limit'] == pytest.approx(0.5)
     assert row['others'] == {'transformers dynamic': 5.0, 'transformers static': 7.0, 'llama.cpp': None}
     assert 'compiled' not in cpu_decode.cost_entry({'package': [1.0]}, 1, 1, 1.0)  # not timed: no entry
+
+
+def test_the_read_rate_of_a_round_is_its_best_pass(monkeypatch):
+    "round_read_rate: the bytes summed over the fastest of three passes (a pass is only ever slowed)."
+    clock = iter([0.0, 2.0, 2.0, 3.0, 3.0, 5.0])                       # passes of 2, 1 and 2 s
+    monkeypatch.setattr(cpu_decode.time, 'perf_counter', lambda: next(clock))
+    assert cpu_decode.round_read_rate(torch.ones(256)) == 1024.0      # 1 KiB in the best pass, 1 s

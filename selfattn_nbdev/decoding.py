@@ -5,9 +5,10 @@
 # %% auto #0
 __all__ = ['GEMV_ROWS', 'GEMM_PROBE_ROWS', 'KERNELS', 'PROBE_PASSES', 'PROBE_WIN', 'HUGE_PAGE', 'COMPILE_AFTER_SECONDS',
            'stack_weights', 'stacked', 'project', 'onednn_linear', 'row_dot', 'row_bucket', 'rows_kernel',
-           'gemv_kernel', 'gemm_kernel', 'compiled_gemv_kernel', 'faster_products', 'huge_pages_on', 'huge_page_buffer',
-           'huge_page_bytes', 'weights_in_huge_pages', 'penalize_repeats', 'keep_min_p', 'sample_next',
-           'generate_stream', 'generate', 'DECODE_MIN_BOUND', 'StaticKVCache', 'decode_bound']
+           'gemv_kernel', 'gemm_kernel', 'compiled_gemv_kernel', 'faster_products', 'one_query_attention',
+           'huge_pages_on', 'huge_page_buffer', 'huge_page_bytes', 'weights_in_huge_pages', 'penalize_repeats',
+           'keep_min_p', 'sample_next', 'generate_stream', 'generate', 'DECODE_MIN_BOUND', 'StaticKVCache',
+           'decode_bound']
 
 # %% ../nbs/07_batches.ipynb #312f198d
 import collections, inspect, logging, math, mmap, threading, time, warnings
@@ -401,6 +402,34 @@ def faster_products(
             for m in routed:
                 m.forward.holders -= 1
                 if not m.forward.holders: del m.__dict__['forward']
+
+
+# %% ../nbs/07_batches.ipynb #qa000002
+def one_query_attention(
+    queries:Tensor, # (b, num_heads, 1, head_dim): one new token a row
+    keys:Tensor,    # (b, num_kv_heads, S, head_dim): a cache's
+    values:Tensor,  # (b, num_kv_heads, S, head_dim_v)
+    allowed:Tensor, # bool (b | 1, 1, 1, S), True = attend; each row sees a key
+) -> Tensor: # softmax(q k^T / sqrt(head_dim)) v, (b, num_heads, 1, head_dim_v)
+    "One query a row over a cache, as sums a compiled step fuses: SDPA's numbers."
+    b, h, _, d = queries.shape
+    kv = keys.shape[1]
+    q = queries.reshape(b, kv, h // kv, d).contiguous()  # (b, kv, g, hd): head i
+    force = getattr(torch.ops.prims, 'inductor_force_stride_order', None)
+    if force is not None: q = force(q, q.stride())  # reads k, v i // g; made once
+    scores = (q.unsqueeze(-2) * keys.unsqueeze(2)).sum(-1) / math.sqrt(d)  # (b,kv,g,S)
+    weights = scores.masked_fill(~allowed, -torch.inf).softmax(-1)
+    return (weights @ values).view(b, h, 1, values.shape[-1])   # (b, h, 1, hd_v)
+
+def _compiled_cpu_query(m:MultiHeadAttention, queries, keys, values, allowed):
+    "A compiled step's one float32 query a row on a CPU, no dropout: the sums above."
+    if (torch.compiler.is_compiling() and queries.device.type == 'cpu'
+            and queries.shape[2] == 1 and queries.dtype == torch.float32
+            and not (m.training and m.dropout.p)):
+        return one_query_attention(queries, keys, values, allowed)
+    return None  # SDPA, as before
+
+MultiHeadAttention._cache_kernels['compiled CPU step'] = _compiled_cpu_query
 
 
 # %% ../nbs/07_batches.ipynb #hp000002

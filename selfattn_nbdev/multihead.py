@@ -265,6 +265,8 @@ def _attend_explicit(self:MultiHeadAttention,
     return attn_weights @ values, attn_weights           # (b, heads, T, head_dim)
 
 # %% ../nbs/04_multihead.ipynb #d52de722
+MultiHeadAttention._cache_kernels = {}  # name: (module, q, k, v, allowed) -> context
+                                        # or None: a later page's, for a cache's keys
 @patch
 def _attend_fused(self:MultiHeadAttention,
                   queries:Tensor, # (b, num_heads, num_tokens, head_dim)
@@ -283,7 +285,11 @@ def _attend_fused(self:MultiHeadAttention,
     if allowed is None and flag and not self._mask_parts(num_tokens, num_keys):
         return kernel(queries, keys, values, is_causal=self.causal and not last)
     if allowed is None: allowed = self._allowed(num_tokens, num_keys)
-    if every_row: return kernel(queries, keys, values, attn_mask=allowed)  # no check
+    if every_row:  # a cache's mask leaves each row a key: no check; a later kernel?
+        for cached in self._cache_kernels.values():
+            if (context := cached(self, queries, keys, values, allowed)) is not None:
+                return context
+        return kernel(queries, keys, values, attn_mask=allowed)
     dead = ~allowed.any(-1, keepdim=True)     # (b, 1, T, 1): a query with no key
     context = kernel(queries, keys, values, attn_mask=allowed | dead)  # True = attend
     return context.masked_fill(dead, 0.0)

@@ -166,14 +166,18 @@ except AttributeError:
     @_onednn_linear_op.register_fake
     def _(x, weight, bias): return x.new_empty(*x.shape[:-1], weight.shape[0])
 
+def _made_once(x:Tensor) -> Tensor: # x, its layout fixed in a graph
+    "Inductor then computes `x` once, before the loops that read it, not inside each."
+    force = getattr(torch.ops.prims, 'inductor_force_stride_order', None)
+    return x if force is None else force(x, x.stride())
+
 def row_dot(
     x:Tensor, # one row, (..., 1, d_in) or (d_in,)
     weight:Tensor, # (d_out, d_in)
     bias:Tensor|None=None, # (d_out,)
 ) -> Tensor: # x W^T + b, (..., 1, d_out): each output a dot product of x and a row
     "A matrix-vector product as a sum: compiled, one streaming loop over the weight."
-    force = getattr(torch.ops.prims, 'inductor_force_stride_order', None)
-    if force is not None: x = force(x, x.stride())
+    x = _made_once(x)  # a layer norm before it: computed once, not for every row
     y = (x.unsqueeze(-2) * weight).sum(-1)   # (..., 1, d_out, d_in) summed: never made
     return y if bias is None else y + bias   # eagerly it would be: compiled steps only
 
@@ -414,9 +418,8 @@ def one_query_attention(
     "One query a row over a cache, as sums a compiled step fuses: SDPA's numbers."
     b, h, _, d = queries.shape
     kv = keys.shape[1]
-    q = queries.reshape(b, kv, h // kv, d).contiguous()  # (b, kv, g, hd): head i
-    force = getattr(torch.ops.prims, 'inductor_force_stride_order', None)
-    if force is not None: q = force(q, q.stride())  # reads k, v i // g; made once
+    q = queries.reshape(b, kv, h // kv, d).contiguous()  # (b, kv, g, hd)
+    q = _made_once(q)  # as row_dot's input; query head i reads key/value head i // g
     scores = (q.unsqueeze(-2) * keys.unsqueeze(2)).sum(-1) / math.sqrt(d)  # (b,kv,g,S)
     weights = scores.masked_fill(~allowed, -torch.inf).softmax(-1)
     return (weights @ values).view(b, h, 1, values.shape[-1])   # (b, h, 1, hd_v)

@@ -1,6 +1,6 @@
 """Benchmark: how a decode step's weight products share two threads, measured apart from everything else.
 
-    python bench/thread_split.py [--llamacpp-python PATH] [--out bench/thread_split.json]    # about 8 minutes
+    python bench/thread_split.py [--llamacpp-python PATH] [--out bench/thread_split.json]    # about 10 minutes
 
 The question: at two threads, does it matter that Inductor's loops give each thread an even, fixed share of each
 product's rows (`#pragma omp for`), where llama.cpp's threads take small pieces as they finish? bench/thread_split.c
@@ -10,7 +10,10 @@ a graph, the rows shared three ways: `even` (as Inductor shares them), `dynamic`
 finish) and `guided` (pieces that shrink). At each thread count (1 and 2 unless `--threads`), in each round, in turns: torch's sum over 1 GiB of 2 MiB pages (the read
 rate, as cpu_decode.py measures it), the three loops, the package's compiled decode step (`generate(compile=True)`,
 32-token prompt, 64 new tokens), and llama.cpp (skipped without `--llamacpp-python`). tok/s of the loops is one over
-the median pass over every product. Needs gcc with OpenMP. Printed and written; nothing is asserted.
+the median pass over every product. After the rounds of a thread count, `profile_compiled`: the compiled step under
+torch's profiler, its milliseconds by kind (cpu_decode.py's `profile_compiled_step`: the graph, which holds the
+products, against the guards, the runtime and Python around it). Needs gcc with OpenMP. Printed and written; nothing
+is asserted.
 """
 import argparse, datetime, json, os, platform, shlex, statistics, subprocess, sys, tempfile
 from pathlib import Path
@@ -90,9 +93,11 @@ def main():
             got['limit tok/s'] = got['read rate (GB/s)'] * 1e9 / read
             rounds.append(got)
             print(threads, r, {k: round(v, 1) for k, v in got.items()}, flush=True)
+        profile = cd.profile_compiled_step(model)  # the compiled step's ms by kind, after the rounds
+        print(threads, 'profile', {k: round(v, 2) for k, v in profile['ms'].items()}, flush=True)
         median = lambda k: statistics.median(g[k] for g in rounds)
         by_threads[str(threads)] = dict(
-            compiled_gemv_kernel=kernel, rounds=rounds, median_tok_s={k: median(k) for k in systems},
+            compiled_gemv_kernel=kernel, rounds=rounds, profile_compiled=profile, median_tok_s={k: median(k) for k in systems},
             median_read_rate_gb_s=median('read rate (GB/s)'),
             of_even_each_round={k: [g[k] / g['even'] for g in rounds] for k in systems if k != 'even'},
             fraction_of_limit_each_round={k: [g[k] / g['limit tok/s'] for g in rounds] for k in systems})

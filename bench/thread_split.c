@@ -33,11 +33,17 @@ int main(int argc, char **argv) {
     if (argc < 4) { fprintf(stderr, "usage: %s even|dynamic|guided REPS ROWSxCOLS[*COUNT] ...\n", argv[0]); return 2; }
     const char *schedule = argv[1];
     int reps = atoi(argv[2]), n = 0;
+    int kind = !strcmp(schedule, "even") ? 0 : !strcmp(schedule, "dynamic") ? 1 : !strcmp(schedule, "guided") ? 2 : -1;
+    if (kind < 0) { fprintf(stderr, "SCHEDULE must be even, dynamic or guided; got %s\n", schedule); return 2; }
+    if (reps < 1) { fprintf(stderr, "REPS must be a positive integer; got %s\n", argv[2]); return 2; }
     Matrix *m = calloc(4096, sizeof(Matrix));
     long widest = 0;
     for (int a = 3; a < argc; a++) {
         long rows, cols, count = 1;
-        if (sscanf(argv[a], "%ldx%ld*%ld", &rows, &cols, &count) < 2) { fprintf(stderr, "bad shape %s\n", argv[a]); return 2; }
+        if (sscanf(argv[a], "%ldx%ld*%ld", &rows, &cols, &count) < 2 || rows < 1 || cols < 1 || count < 1) {
+            fprintf(stderr, "each shape must be ROWSxCOLS or ROWSxCOLS*COUNT, positive; got %s\n", argv[a]);
+            return 2;
+        }
         for (long c = 0; c < count; c++, n++) {
             size_t bytes = (size_t)rows * cols * sizeof(float), huge = 2u << 20;
             bytes = (bytes + huge - 1) / huge * huge;
@@ -51,8 +57,6 @@ int main(int argc, char **argv) {
     float *x = malloc(widest * sizeof(float)), *y = malloc(widest * sizeof(float));
     for (long i = 0; i < widest; i++) x[i] = 1.0f;
     double *seconds = malloc(reps * sizeof(double));
-    int kind = !strcmp(schedule, "even") ? 0 : !strcmp(schedule, "dynamic") ? 1 : !strcmp(schedule, "guided") ? 2 : -1;
-    if (kind < 0) { fprintf(stderr, "SCHEDULE must be even, dynamic or guided; got %s\n", schedule); return 2; }
     for (int r = -2; r < reps; r++) {  // two passes to warm up
         double start = now();
         #pragma omp parallel  // one region for the step, as Inductor writes a graph's kernel

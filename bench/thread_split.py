@@ -7,13 +7,13 @@ product's rows (`#pragma omp for`), where llama.cpp's threads take small pieces 
 runs the weight products of one step of a shape (cpu_decode.py's SHAPES, each nn.Linear of the package's model as
 `generate` reads it: q, k and v one product, gate and up one) and nothing else, in one OpenMP region as Inductor writes
 a graph, the rows shared three ways: `even` (as Inductor shares them), `dynamic` (pieces of 16 rows taken as threads
-finish) and `guided` (pieces that shrink). At each thread count (1 and 2 unless `--threads`), in each round, in turns: torch's sum over 1 GiB of 2 MiB pages (the read
-rate, as cpu_decode.py measures it), the three loops, the package's compiled decode step (`generate(compile=True)`,
-32-token prompt, 64 new tokens), and llama.cpp (skipped without `--llamacpp-python`). tok/s of the loops is one over
-the median pass over every product. After the rounds of a thread count, `profile_compiled`: the compiled step under
-torch's profiler, its milliseconds by kind (cpu_decode.py's `profile_compiled_step`: the graph, which holds the
-products, against the guards, the runtime and Python around it). Needs gcc with OpenMP. Printed and written; nothing
-is asserted.
+finish) and `guided` (pieces that shrink). At each thread count (1 and 2 unless `--threads`), in each round, in turns:
+torch's sum over 1 GiB of 2 MiB pages (the read rate, as cpu_decode.py measures it), the three loops, the package's
+compiled decode step (`generate(compile=True)`, 32-token prompt, 64 new tokens), and llama.cpp (skipped without
+`--llamacpp-python`). tok/s of the loops is one over the median pass over every product. After the rounds of a thread
+count, `profile_compiled`: the compiled step under torch's profiler, its milliseconds by kind (cpu_decode.py's
+`profile_compiled_step`: the graph, which holds the products, against the guards, the runtime and Python around it).
+Needs gcc with OpenMP. Printed and written; nothing is asserted.
 """
 import argparse, datetime, json, os, platform, shlex, statistics, subprocess, sys, tempfile
 from pathlib import Path
@@ -97,7 +97,8 @@ def main():
         print(threads, 'profile', {k: round(v, 2) for k, v in profile['ms'].items()}, flush=True)
         median = lambda k: statistics.median(g[k] for g in rounds)
         by_threads[str(threads)] = dict(
-            compiled_gemv_kernel=kernel, rounds=rounds, profile_compiled=profile, median_tok_s={k: median(k) for k in systems},
+            compiled_gemv_kernel=kernel, rounds=rounds, profile_compiled=profile,
+            median_tok_s={k: median(k) for k in systems},
             median_read_rate_gb_s=median('read rate (GB/s)'),
             of_even_each_round={k: [g[k] / g['even'] for g in rounds] for k in systems if k != 'even'},
             fraction_of_limit_each_round={k: [g[k] / g['limit tok/s'] for g in rounds] for k in systems})

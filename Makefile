@@ -51,7 +51,7 @@ test-nbdev: $(INSTALLED) ## nbdev_test over every notebook (skips `#| slow` cell
 test-site: $(INSTALLED) ## build the site, serve it on 127.0.0.1 and walk every page in headless Chromium
 	$(PY) -m pytest -m site -s -q
 
-bench: $(INSTALLED) ## time the attention paths against PyTorch's, generation, eager and compiled decode, GQA/window/RoPE, tiled and masked memory, every checkpoint family against transformers, loading memory, any model through transformers beside sdpa, decoding on a CPU against its memory limit, how its products share two threads, by the kernel of each number of rows and over a session of calls (~73 min; llama.cpp too with LLAMACPP_PYTHON=<a Python with llama-cpp-python and gguf>)
+bench: $(INSTALLED) ## time the attention paths against PyTorch's, generation, eager and compiled decode, GQA/window/RoPE, tiled and masked memory, every checkpoint family against transformers, loading memory, any model through transformers beside sdpa, decoding on a CPU against its memory limit, how its products share two threads, by the kernel of each number of rows and over a session of calls (~75 min; llama.cpp too with LLAMACPP_PYTHON=<a Python with llama-cpp-python and gguf>)
 	$(PY) bench/benchmark.py
 	$(PY) bench/generation.py
 	$(PY) bench/decode.py

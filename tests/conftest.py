@@ -130,3 +130,11 @@ def check_saved_and_routed(hf, ours, folder, ids):
         hf.set_attn_implementation(register())
         routed = hf(ids).logits
     assert (routed - eager).abs().max() <= 1e-5 * eager.abs().max()
+
+
+def tiny_decoder(kind: str):
+    "A 2-block GPT-2, or Llama with grouped key/value heads (4 query, 2 key/value), width 32, vocabulary 97: in eval."
+    from selfattn_nbdev.models import GPT2, Llama
+    torch.manual_seed(0)
+    if kind == 'gpt2': return GPT2(vocab_size=97, context_length=128, d_model=32, num_heads=4, num_layers=2).eval()
+    return Llama(97, 128, 32, num_heads=4, num_layers=2, num_kv_heads=2, d_hidden=48).eval()

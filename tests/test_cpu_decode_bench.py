@@ -6,13 +6,8 @@ import torch
 
 pytest.importorskip('transformers')
 from bench import cpu_decode  # noqa: E402
-from selfattn_nbdev.models import GPT2, Llama  # noqa: E402
-
-
-def tiny(kind):
-    torch.manual_seed(0)
-    if kind == 'gpt2': return GPT2(vocab_size=97, context_length=128, d_model=32, num_heads=4, num_layers=2).eval()
-    return Llama(97, 128, 32, num_heads=4, num_layers=2, num_kv_heads=2, d_hidden=48).eval()
+from conftest import tiny_decoder as tiny  # noqa: E402
+from selfattn_nbdev.models import GPT2  # noqa: E402
 
 
 def test_bytes_a_token_count_what_a_token_reads():

@@ -290,10 +290,12 @@ def test_a_compiled_step_of_several_rows_multiplies_by_the_kernel_measured_for_t
 
 
 @pytest.mark.parametrize('one_row', KERNELS)
-def test_compiled_gemv_kernel_measures_once_and_keeps_a_clear_win_only(one_row, monkeypatch, caplog):
+def test_compiled_gemv_kernel_measures_once_and_keeps_the_loop_unless_the_library_wins_clearly(one_row, monkeypatch,
+                                                                                            caplog):
     """The compiled loop against the kernel `gemv_kernel` chose for one row (what the graph calls without the loop),
-    seven passes each on the largest group of one shape; kept per thread count. Each measurement (a compile's
-    pause) is said at INFO with its choice and seconds; a kept answer says nothing."""
+    seven passes each on the largest group of one shape; kept per thread count. The library's kernel is taken only
+    on a clear win (under 0.95 of the loop's time): in a step the loop also fuses with its neighbours. Each
+    measurement (a compile's pause) is said at INFO with its choice and seconds; a kept answer says nothing."""
     import logging
     caplog.set_level(logging.INFO, logger='selfattn_nbdev.decoding')
     said = lambda: [r.getMessage() for r in caplog.records if r.name == 'selfattn_nbdev.decoding']
@@ -317,9 +319,11 @@ def test_compiled_gemv_kernel_measures_once_and_keeps_a_clear_win_only(one_row, 
     # the largest group of one shape: the MLP's gate and up weights (128, 32), two a layer: four, timed one by one
     # by the other kernel, and all at once by the loop
     assert sorted(set(timed)) == [1, 4] and [*decoding._LOOPED][0][1:] == (4, 128, 32, one_row)
-    decoding._LOOPED.clear(); ratio = 0.97                          # within 5 %: the other kernel stays
+    decoding._LOOPED.clear(); ratio = 1.03                          # the loop 3 % slower: within 5 %, kept
+    assert compiled_gemv_kernel(model) == 'loop'
+    decoding._LOOPED.clear(); ratio = 1.1                           # 10 % slower: the library wins clearly
     assert compiled_gemv_kernel(model) == one_row
-    assert len(said()) == 2 and said()[1].startswith(f'compiled_gemv_kernel: {one_row} for one row'), said()
+    assert len(said()) == 3 and said()[2].startswith(f'compiled_gemv_kernel: {one_row} for one row'), said()
 
 
 def test_a_row_dot_that_does_not_compile_leaves_the_blas_and_says_so(monkeypatch):

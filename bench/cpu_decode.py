@@ -24,7 +24,7 @@ llama.cpp's is. Recorded:
   `compiled_gemv_kernel`'s probe too, which a new process measures again);
 - `gemv_kernel`: per shape and thread count, the kernel the package's `gemv_kernel` chose for one token's products
   (the BLAS behind F.linear, or oneDNN), `gemm_kernel` for a prompt's and `compiled_gemv_kernel` for a compiled
-  step's one row (Inductor's loop, row_dot, or, where it does not win, the kernel `gemv_kernel` chose), and the
+  step's one row (Inductor's loop, row_dot, or, where it wins clearly, the kernel `gemv_kernel` chose), and the
   seconds each measurement took (the last includes its compile, with an empty kernel cache);
 - `prefill_ms`: per shape and thread count, one forward over a 512-token prompt with the measured kernels and with
   every product by the BLAS, medians of twice the rounds, in turns, each first in half of them;

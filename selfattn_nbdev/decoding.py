@@ -343,7 +343,7 @@ def compiled_gemv_kernel(
     "Which multiplies one token by the weights faster in a compiled step: measured once"
     import torch._inductor.inductor_prims  # noqa: F401 (row_dot's op, before tracing)
     if linears is None: linears = _linears(model)
-    other = rows_kernel(model, 1, linears)  # what the graph calls if the loop loses
+    other = rows_kernel(model, 1, linears)  # what the graph calls if it wins clearly
     weights, _ = _step_weights(linears, 64 * 2**20)
     if not weights: return other
     shape = max({w.shape for w in weights},  # the shape that holds the most bytes

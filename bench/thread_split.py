@@ -29,15 +29,12 @@ SCHEDULES = ('even', 'dynamic', 'guided')
 
 
 def products(model) -> list:
-    "'ROWSxCOLS*COUNT' of every weight product of one decode step, as `generate` stacks them."
-    shapes, groups = {}, decoding._groups(model)
-    for group in groups:  # stacked: one product for the linears of a group
-        key = f'{sum(l.weight.shape[0] for l in group)}x{group[0].weight.shape[1]}'
-        shapes[key] = shapes.get(key, 0) + 1
-    grouped = {id(l) for g in groups for l in g}
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear) and id(module) not in grouped:
-            key = f'{module.weight.shape[0]}x{module.weight.shape[1]}'
+    "'ROWSxCOLS*COUNT' of every weight product of one decode step: `_step_weights`, as `generate` stacks them."
+    shapes = {}
+    with decoding.stacked(model):  # q, k, v one matrix; gate and up one
+        weights, _ = decoding._step_weights(decoding._linears(model), 2**62)  # all of them
+        for w in weights:
+            key = f'{w.shape[0]}x{w.shape[1]}'
             shapes[key] = shapes.get(key, 0) + 1
     return [f'{k}*{n}' for k, n in shapes.items()]
 

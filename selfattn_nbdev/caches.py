@@ -180,7 +180,7 @@ def decode_bound(
     num_seen:int, # tokens in the cache after this step
     capacity:int, # its columns
 ) -> int: # columns to attend to: a power of two >= num_seen (at least 256), <= capacity
-    "The columns a compiled step reads: doubling, so few graphs (8 for 32,768 columns)."
+    "The columns a step that replays a CUDA graph reads: doubling, so few graphs."
     return min(capacity, max(DECODE_MIN_BOUND, 1 << (num_seen - 1).bit_length()))
 
 class StaticKVCache:
@@ -206,6 +206,8 @@ class StaticKVCache:
         self.num_seen = 0  # tokens given so far, counted on the host outside compile
         self._owner = None
         self.bound = None  # columns a compiled step reads (decode_bound), set by host
+        self.columns_read = None  # or those it reads, their number symbolic: the host's
+        self._every_column = None  # 0, 1, ... capacity - 1: columns_read is a view
 
     claim = KVCache.claim  # one module; padding as pads=
 
@@ -293,11 +295,14 @@ class StaticKVCache:
         self._keys.index_copy_(2, columns, keys)    # in place: the same address
         self._values.index_copy_(2, columns, values)
         self.step.add_(num_new)
-        # the columns written, not the capacity: the cost follows the text; a compiled
-        # step reads the bound its host set (decode_bound), one graph per bound
-        end = ((self.bound or self.capacity) if torch.compiler.is_compiling()
-               else len(self))
-        key_columns = torch.arange(end, device=keys.device)              # (end,)
+        # the columns written, not the capacity: the cost follows the text. A compiled
+        # step reads what its host set: the columns written, or a bound above them
+        if not torch.compiler.is_compiling(): end = len(self)
+        elif self.columns_read is not None: end = None  # one graph for every length
+        else: end = self.bound or self.capacity
+        key_columns = (self.columns_read if end is None else
+                       torch.arange(end, device=keys.device))             # (end,)
+        end = key_columns.shape[0]
         return (self._keys[:, :, :end], self._values[:, :, :end],      # (b, h, end, hd)
                 self._mask(columns, key_columns))
 
@@ -319,10 +324,13 @@ class StaticKVCache:
              ) -> Tensor: # _allowed's mask, built by the first of the caches sharing it
         "The caches that share `masks` share a step's mask: each block sees the same."
         compiling = torch.compiler.is_compiling()
-        if compiling and self.bound is None: return self._allowed(columns, key_columns)
+        hosted = self.bound is not None or self.columns_read is not None
+        if compiling and not hosted: return self._allowed(columns, key_columns)
         # eagerly the tokens seen and the padding name the step; compiled, the host
         step = None if compiling else (self.num_seen, id(self.pads))  # empties masks
-        key = (step, columns.shape[0], key_columns.shape[0], columns.device, *kind)
+        length = ('host' if compiling and self.columns_read is not None  # symbolic:
+                  else key_columns.shape[0])  # the same for every cache of the step
+        key = (step, columns.shape[0], length, columns.device, *kind)
         if key not in self._masks:  # kept: this step's masks, one for each kind
             if any(k[0] != key[0] for k in self._masks): self._masks.clear()
             self._masks[key] = self._allowed(columns, key_columns)
@@ -330,12 +338,21 @@ class StaticKVCache:
 
     def begin_step(self,
                    num_new:int, # tokens the compiled step adds to each row
-                  ) -> int: # the columns the step reads: decode_bound's
-        "The host's half of a compiled step: count its tokens, bound it, forget masks."
+                  ) -> int|None: # columns the step reads: decode_bound's; None: seen's
+        "The host's half of a compiled step: count its tokens, say what it reads."
         self.num_seen += num_new
-        self.bound = decode_bound(self.num_seen, self.capacity)
         self._masks.clear()  # the caches sharing them: the first of the step builds
-        return self.bound
+        self.bound = self.columns_read = None
+        if self._keys is None or self._keys.is_cuda or self.num_seen < 2:
+            self.bound = decode_bound(self.num_seen, self.capacity)  # a CUDA graph's
+            return self.bound
+        if self._every_column is None:  # no graph to replay: one for every length
+            self._every_column = torch.arange(self.capacity, device=self._keys.device)
+        self.columns_read = self._every_column[:self.num_seen]          # (num_seen,)
+        # a length that may vary; maybe_: a step that reads every column, which
+        # generate never runs (capacity > its last step's), takes a graph of its own
+        torch._dynamo.maybe_mark_dynamic(self.columns_read, 0)
+        return None
 
     def __repr__(self):
         return f"StaticKVCache({self.num_seen} tokens seen, capacity={self.capacity})"

@@ -629,7 +629,8 @@ def _graphs_made() -> int: # the graphs Dynamo has compiled in this process
 
 def _report_compile(bound:int|None, threads:int, seconds:float, asked:bool) -> None:
     "Say what the first step of a bound took: INFO if compile=... asked, else WARNING."
-    shapes = "its shapes" if bound is None else f"{bound} cached positions"
+    shapes = ("any number of cached positions" if bound is None
+              else f"{bound} cached positions")
     _log.log(logging.INFO if asked else logging.WARNING,
              f"generate(compile=...): the decode step reading {shapes} compiled "
              f"and ran once in {seconds:.1f} s at {threads} thread(s); later steps "
@@ -652,7 +653,8 @@ def _decode_step(
                       f"again (seconds, once per count). Keep torch.set_num_threads "
                       f"fixed to compile once.", stacklevel=4)
     compiled_at.add(threads)
-    # static shapes: a graph per bound (decode_bound), none traced with a symbolic one
+    # static shapes, the cache's length aside: on a CPU one graph reads every length
+    # (StaticKVCache.begin_step), under CUDA graphs one graph per bound (decode_bound)
     options = dict(fullgraph=True, dynamic=False) if compile is True else dict(compile)
     if compile is True and device.type == 'cuda': options['mode'] = 'reduce-overhead'
     if compile is True and device.type == 'cpu':  # the host's calls between kernels:

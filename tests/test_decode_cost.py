@@ -53,21 +53,48 @@ def test_a_step_costs_the_same_work_at_any_capacity():
 
 
 @pytest.mark.heavy
-def test_compiled_step_counts_on_the_host_and_reads_its_bound():
-    "A compiled step (backend 'eager' here: the logic, not the speed) sets every cache's bound and count."
+def test_compiled_step_counts_on_the_host_and_reads_the_columns_seen():
+    """A compiled step (a counting backend here: the logic, not the speed). On a CPU every cache reads exactly the
+    columns seen, a length Dynamo was told varies, so one graph serves the whole text (here 251 to 270 columns, and
+    501 to 520); storage on a GPU, whose CUDA graphs replay fixed shapes, reads decode_bound's columns."""
+    from types import SimpleNamespace
     torch.manual_seed(0)
     gpt = TinyGPT(50, context_length=1024, d_model=32, num_layers=2, num_heads=2).eval()
-    prompt = torch.randint(0, 50, (1, 250))
-    eager = generate(gpt, prompt, 12)
-    compiled = generate(gpt, prompt, 12, compile=dict(backend='eager', fullgraph=True))
-    assert torch.equal(compiled, eager)                 # crosses the bound 256 -> 512 on the way
-    caches = gpt.new_caches(1024)
-    step = _decode_step(gpt, dict(backend='eager', fullgraph=True))
+    graphs = []
+    def count(gm, example_inputs): graphs.append(gm); return gm.forward
+    for n in (250, 500):                                  # capacities decode_bound(270), decode_bound(520)
+        prompt = torch.randint(0, 50, (1, n))
+        compiled = generate(gpt, prompt, 20, compile=dict(backend=count, fullgraph=True, dynamic=False))
+        assert torch.equal(compiled, generate(gpt, prompt, 20))
+    assert len(graphs) == 2                               # 512 and 1024: a graph each, where bounds made 4
+    caches, prompt = gpt.new_caches(1024), torch.randint(0, 50, (1, 250))
+    step = _decode_step(gpt, dict(backend=count, fullgraph=True, dynamic=False))
     with torch.no_grad():
         gpt(prompt, caches)
         step(torch.tensor([[3]]), caches)
-    assert all(c.num_seen == 251 and c.bound == 256 for c in caches)
+    assert all(c.num_seen == 251 and c.bound is None for c in caches)
+    assert all(torch.equal(c.columns_read, torch.arange(251)) for c in caches)
+    cache = caches[0]
+    cache._keys = SimpleNamespace(is_cuda=True)           # the GPU's rule, on this CPU: a power of two
+    assert cache.begin_step(1) == 256 and cache.bound == 256 and cache.columns_read is None
+    assert cache.begin_step(5) == 512 and cache.num_seen == 257
 
+
+def test_a_text_that_fills_the_storage_compiles_one_graph():
+    """generate's last step reads one column less than its storage holds (the last token needs no step), so a text
+    of exactly the capacity (200 + 56 = 256) runs one graph: AOT's decompositions (aot_eager) guard a symbolic
+    length against the storage's, which only a full cache would cross. Grouped heads take the one-query sums."""
+    from selfattn_nbdev.models import Llama
+    torch.manual_seed(0)
+    model = Llama(50, 256, 32, num_heads=4, num_layers=2, num_kv_heads=2, d_hidden=48).eval()
+    graphs = []
+    def count(gm, example_inputs):
+        graphs.append(gm)
+        from torch._dynamo.backends.debugging import aot_eager
+        return aot_eager(gm, example_inputs)
+    prompt = torch.randint(0, 50, (1, 200))
+    compiled = generate(model, prompt, 56, compile=dict(backend=count, fullgraph=True, dynamic=False))
+    assert torch.equal(compiled, generate(model, prompt, 56)) and len(graphs) == 1
 
 
 def _traced_step(model, prompt):

@@ -297,12 +297,13 @@ class StaticKVCache:
         self.step.add_(num_new)
         # the columns written, not the capacity: the cost follows the text. A compiled
         # step reads what its host set: the columns written, or a bound above them
-        if not torch.compiler.is_compiling(): end = len(self)
-        elif self.columns_read is not None: end = None  # one graph for every length
-        else: end = self.bound or self.capacity
-        key_columns = (self.columns_read if end is None else
-                       torch.arange(end, device=keys.device))             # (end,)
-        end = key_columns.shape[0]
+        if not torch.compiler.is_compiling():
+            key_columns = torch.arange(len(self), device=keys.device)
+        elif self.columns_read is not None:  # any length: one graph
+            key_columns = self.columns_read
+        else:
+            key_columns = torch.arange(self.bound or self.capacity, device=keys.device)
+        end = key_columns.shape[0]                                       # (end,)
         return (self._keys[:, :, :end], self._values[:, :, :end],      # (b, h, end, hd)
                 self._mask(columns, key_columns))
 
@@ -343,8 +344,8 @@ class StaticKVCache:
         self.num_seen += num_new
         self._masks.clear()  # the caches sharing them: the first of the step builds
         self.bound = self.columns_read = None
-        if self._keys is None or self._keys.is_cuda or self.num_seen < 2:
-            self.bound = decode_bound(self.num_seen, self.capacity)  # a CUDA graph's
+        if self._reads_a_bound():
+            self.bound = decode_bound(self.num_seen, self.capacity)
             return self.bound
         if self._every_column is None:  # no graph to replay: one for every length
             self._every_column = torch.arange(self.capacity, device=self._keys.device)
@@ -353,6 +354,10 @@ class StaticKVCache:
         # generate never runs (capacity > its last step's), takes a graph of its own
         torch._dynamo.maybe_mark_dynamic(self.columns_read, 0)
         return None
+
+    def _reads_a_bound(self) -> bool: # or the columns seen, their number symbolic
+        "A step replayed as a CUDA graph needs fixed shapes: a bound (decode_bound)."
+        return self._keys is None or self._keys.is_cuda or self.num_seen < 2
 
     def __repr__(self):
         return f"StaticKVCache({self.num_seen} tokens seen, capacity={self.capacity})"

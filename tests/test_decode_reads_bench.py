@@ -15,10 +15,10 @@ def test_bounded_sets_decode_bounds_columns_and_gives_the_cpus_rule_back():
     model = tiny('gpt2')
     caches = model.new_caches(128)
     with torch.no_grad(): model(torch.randint(0, 97, (1, 20)), caches)
-    seen = StaticKVCache.begin_step
+    rule = StaticKVCache._reads_a_bound
     with decode_reads.bounded():
         assert caches[0].begin_step(1) == 128 and caches[0].columns_read is None   # min(capacity, 256)
-    assert StaticKVCache.begin_step is seen
+    assert StaticKVCache._reads_a_bound is rule
     assert caches[0].begin_step(1) is None and caches[0].columns_read.shape == (22,)
 
 

@@ -13,7 +13,7 @@ per shape and context: the milliseconds of a step each way (medians of the round
 each reads, the ratio bound / seen, and whether both steps' logits chose the same token. Printed and written;
 nothing is asserted.
 """
-import argparse, contextlib, datetime, json, os, platform, statistics, sys, time
+import argparse, contextlib, datetime, json, os, statistics, sys, time
 from pathlib import Path
 
 import torch
@@ -23,6 +23,7 @@ sys.path.insert(0, str(ROOT))
 from selfattn_nbdev import decoding  # noqa: E402
 from selfattn_nbdev.caches import StaticKVCache, decode_bound  # noqa: E402
 
+from bench.benchmark import cpu_model  # noqa: E402
 from bench.cpu_decode import SHAPES, hf_model, ours_of  # noqa: E402
 
 CONTEXTS = {'gpt2': (32, 512, 960), 'llama': (32, 512, 1984)}
@@ -76,10 +77,7 @@ def main():
     torch.manual_seed(0)
     torch.set_num_threads(1)
     result = dict(date=datetime.date.today().isoformat(), command='python bench/decode_reads.py',
-                  torch=torch.__version__, machine=dict(
-                      cpu_model=next((l.split(':', 1)[1].strip() for l in open('/proc/cpuinfo')
-                                      if l.startswith('model name')), platform.processor()),
-                      cpu_count=os.cpu_count()),
+                  torch=torch.__version__, machine=dict(cpu_model=cpu_model(), cpu_count=os.cpu_count()),
                   threads=1, dtype='float32', steps_a_round=STEPS, rounds=ROUNDS, shapes={})
     for name, contexts in CONTEXTS.items():
         model = ours_of(hf_model(SHAPES[name]))

@@ -207,7 +207,6 @@ class StaticKVCache:
         self._owner = None
         self.bound = None  # columns a compiled step reads (decode_bound), set by host
         self.columns_read = None  # or those it reads, their number symbolic: the host's
-        self._every_column = None  # 0, 1, ... capacity - 1: columns_read is a view
 
     claim = KVCache.claim  # one module; padding as pads=
 
@@ -347,9 +346,8 @@ class StaticKVCache:
         if self._reads_a_bound():
             self.bound = decode_bound(self.num_seen, self.capacity)
             return self.bound
-        if self._every_column is None:  # no graph to replay: one for every length
-            self._every_column = torch.arange(self.capacity, device=self._keys.device)
-        self.columns_read = self._every_column[:self.num_seen]          # (num_seen,)
+        # no graph to replay: one graph for every length
+        self.columns_read = torch.arange(self.num_seen, device=self._keys.device)
         # a length that may vary; maybe_: a step that reads every column, which
         # generate never runs (capacity > its last step's), takes a graph of its own
         torch._dynamo.maybe_mark_dynamic(self.columns_read, 0)

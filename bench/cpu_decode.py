@@ -333,7 +333,9 @@ def profile_compiled_step(model) -> dict:
         # a column more than the steps fill: a full cache would take a graph of its own, as generate's never is
         caches, step = model.new_caches(PROMPT + 8 + 2 * n + 1), decoding._decode_step(model, True)
         model(ids, caches)  # the warm-up compiles the step (or finds it compiled)
-        plain, profiled, prof = timed_and_profiled(lambda nxt: step(nxt, caches), 8, n)
+        alone = decoding._STEPS_ALONE.set(True)  # generate's loop: guards checked once
+        try: plain, profiled, prof = timed_and_profiled(lambda nxt: step(nxt, caches), 8, n)
+        finally: decoding._STEPS_ALONE.reset(alone)
     kinds, seen = collections.Counter(), 0.0
     for e in prof.key_averages():
         kind = next((k for k, keys in COMPILED_KINDS if any(s in e.key for s in keys)),

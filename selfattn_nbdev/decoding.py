@@ -11,7 +11,7 @@ __all__ = ['GEMV_ROWS', 'GEMM_PROBE_ROWS', 'KERNELS', 'PROBE_PASSES', 'PROBE_WIN
            'decode_bound']
 
 # %% ../nbs/07_batches.ipynb #312f198d
-import collections, inspect, logging, math, mmap, threading, time, warnings
+import collections, contextvars, inspect, logging, math, mmap, threading, time, warnings
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
@@ -636,6 +636,15 @@ def _report_compile(bound:int|None, threads:int, seconds:float, asked:bool) -> N
              f"and ran once in {seconds:.1f} s at {threads} thread(s); later steps "
              f"of those shapes reuse it while the process lives")
 
+# generate sets it: nothing runs between its steps but the package's own code
+_STEPS_ALONE = contextvars.ContextVar("steps_alone", default=False)
+
+def _guards_left_to_host(): # a stance for one call, or None: the caller's holds
+    "Dynamo then checks only what tells its graphs apart; the host checks the rest."
+    now = getattr(torch._dynamo.eval_frame, '_stance', None)  # private; torch >= 2.6
+    if now is None or (now.stance, now.backend) != ('default', None): return None
+    return torch.compiler.set_stance('default', skip_guard_eval_unsafe=True)
+
 def _decode_step(
     model:nn.Module, # the model to call for one new token per row
     compile, # False, True, or a dict of torch.compile options
@@ -672,28 +681,42 @@ def _decode_step(
         at = [p.data_ptr() for l in g for p in (l.weight, l.bias) if p is not None]
         if seen.get(i) != at: seen[i] = at if _laid_out(g) else None
         return seen[i] is not None
+    last = {}  # the host's state at the last step whose guards ran, and its checks
     def step(token_ids, caches):  # the host counts the tokens and sets each bound
-        nonlocal retries
         _forget_old_main()  # notebooks that share a process (nbdev_test): see the core
         bounds_now = [cache.begin_step(token_ids.shape[1]) for cache in caches or ()]
         bound = max((b for b in bounds_now if b is not None), default=None)  # KV's
-        for i, g in enumerate(groups):  # a stack the step may read: checked now
-            g[0].__dict__['_stack_checked'] = holds(i, g)
+        state = (bound, torch.get_num_threads(), id(caches))
+        alone = _STEPS_ALONE.get() and last.get('state') == state  # the same graph
+        checked = (last['checked'] if alone  # nothing moved the weights since
+                   else [holds(i, g) for i, g in enumerate(groups)])
+        for g, c in zip(groups, checked): g[0].__dict__['_stack_checked'] = c
         if graphs: torch.compiler.cudagraph_mark_step_begin()  # a CUDA graph per step
         try:
-            if bound in bounds:
-                try: return compiled(token_ids, caches)
-                except _room_full():  # other models' graphs fill the room: retry,
-                    retries += 1  # but a graph every step is a bug: a few at most
-                    if retries > _RETRIES: raise
-            bounds.add(bound)
-            made, start = _graphs_made(), time.perf_counter()  # Dynamo's cache may
-            logits = _with_room(compiled, token_ids, caches)   # hold it: said if not
-            if _graphs_made() > made:
-                _report_compile(bound, threads, time.perf_counter() - start, asked)
+            skip = _guards_left_to_host() if alone else None
+            if skip is not None:
+                try:
+                    with skip: return compiled(token_ids, caches)
+                except RuntimeError as e:  # those guards found no graph (a full
+                    if 'skip_guard_eval_unsafe' not in str(e): raise  # storage):
+            logits = guarded(token_ids, caches, bound)  # all of them, and compile
+            last.update(state=state, checked=checked)
             return logits
         finally:
             for g in groups: g[0].__dict__['_stack_checked'] = False
+    def guarded(token_ids, caches, bound):  # every guard checked; a new shape compiles
+        nonlocal retries
+        if bound in bounds:
+            try: return compiled(token_ids, caches)
+            except _room_full():  # other models' graphs fill the room: retry,
+                retries += 1  # but a graph every step is a bug: a few at most
+                if retries > _RETRIES: raise
+        bounds.add(bound)
+        made, start = _graphs_made(), time.perf_counter()  # Dynamo's cache may
+        logits = _with_room(compiled, token_ids, caches)   # hold it: said if not
+        if _graphs_made() > made:
+            _report_compile(bound, threads, time.perf_counter() - start, asked)
+        return logits
     return step
 
 COMPILE_AFTER_SECONDS = 10.0  # eager decode steps compile='auto' times before compiling
@@ -880,11 +903,15 @@ def generate(
     device = next(model.parameters()).device
     if step_times is not None: _synchronize(device)
     new, start = [], time.perf_counter()
-    for next_ids in stream:
-        new.append(next_ids)
-        if step_times is not None:  # a step's time, not its launch's: wait for it
-            _synchronize(device)
-            step_times.append(time.perf_counter() - start); start = time.perf_counter()
+    alone = _STEPS_ALONE.set(True)  # no caller's code between steps: guards once
+    try:
+        for next_ids in stream:
+            new.append(next_ids)
+            if step_times is not None:  # a step's time, not its launch's: wait for it
+                _synchronize(device)
+                step_times.append(time.perf_counter() - start)
+                start = time.perf_counter()
+    finally: _STEPS_ALONE.reset(alone)
     if not isinstance(prompt_ids, (list, tuple)):
         return torch.cat([prompt_ids, *[t[:, None] for t in new]], dim=1)
     new = (torch.stack(new, 1) if new else

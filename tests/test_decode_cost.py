@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from selfattn_nbdev.decoding import DECODE_MIN_BOUND, StaticKVCache, _decode_step, decode_bound, generate
+from selfattn_nbdev.decoding import DECODE_MIN_BOUND, StaticKVCache, _decode_step, decode_bound, generate, generate_stream
 from selfattn_nbdev.generation import TinyGPT
 from selfattn_nbdev.multihead import MultiHeadAttention
 from selfattn_nbdev.ring import split_kv_attention
@@ -275,3 +275,68 @@ def test_caches_of_other_padding_that_share_one_dict_of_masks_keep_their_own():
                 model(prompt, alone)
                 for t in range(token): model(torch.full((2, 1), t), alone)
                 assert torch.equal(model(ids, caches), model(ids, alone))
+
+
+def test_generate_checks_the_guards_once_and_a_stream_at_every_step(monkeypatch):
+    """Between two steps of `generate` only the package's code runs, so after the first step of a call (every guard
+    checked) Dynamo checks only what tells its graphs apart (skip_guard_eval_unsafe) while the host's own state is
+    unchanged. generate_stream hands each token to the caller, whose code may change the model: every guard, every
+    step. A stance the caller set (here force_eager) is left alone. torch.compile is stood in for: the host's logic."""
+    stance = torch._dynamo.eval_frame._stance
+    def stand_in(model, **options):
+        if not isinstance(model, torch.nn.Module): return model   # the products' loop: eager
+        def run(*args):
+            skipped.append(torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe)
+            with monkeypatch.context() as m:
+                m.setattr(torch.compiler, 'is_compiling', lambda: True); return model(*args)
+        return run
+    monkeypatch.setattr(torch, 'compile', stand_in)
+    model, prompt = TinyGPT(37, 64, d_model=16, num_heads=2, num_layers=1).eval(), torch.randint(0, 37, (1, 4))
+    skipped = []; generate(model, prompt, 5, compile=True)
+    assert skipped == [False, True, True, True]           # 4 steps: the first checks everything
+    assert not torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe   # the stance comes back
+    skipped = []; list(generate_stream(model, prompt, 5, compile=True))
+    assert skipped == [False] * 4
+    skipped = []
+    with torch.compiler.set_stance('force_eager'): generate(model, prompt, 5, compile=True)
+    assert skipped == [False] * 4 and torch._dynamo.eval_frame._stance is stance
+
+
+def test_a_stream_sees_a_change_the_caller_makes_between_tokens():
+    """The caller of generate_stream changes the model between two tokens (the final norm's eps, which Dynamo guards
+    as a constant): the next steps compile again and give what eager steps give. Were the guards skipped, the old
+    graph would run with the old eps."""
+    def tokens(compile):
+        torch.manual_seed(0)
+        model = TinyGPT(37, 64, d_model=16, num_heads=2, num_layers=2).eval()
+        out = []
+        for i, t in enumerate(generate_stream(model, torch.randint(0, 37, (1, 6)), 12, compile=compile)):
+            out.append(t)
+            if i == 3: model.norm.eps = 1e3
+        return torch.stack(out)
+    assert torch.equal(tokens(dict(backend='aot_eager', fullgraph=True, dynamic=False)), tokens(False))
+
+
+def test_a_step_that_reads_a_whole_storage_has_its_guards_checked():
+    """Dynamo's symbolic length excludes the storage's own: a step that fills it needs a graph of its own. Between
+    generate's steps the guards that tell graphs apart find none for it; Dynamo says so (it will not compile with
+    guards skipped), and the step runs again with every guard checked, which compiles that graph."""
+    from selfattn_nbdev.decoding import _STEPS_ALONE
+    torch.manual_seed(0)
+    model = TinyGPT(50, 64, d_model=32, num_layers=2, num_heads=2).eval()
+    graphs = []
+    def count(gm, example_inputs): graphs.append(gm); return gm.forward
+    caches, prompt = model.new_caches(16), torch.randint(0, 50, (1, 12))
+    step = _decode_step(model, dict(backend=count, fullgraph=True, dynamic=False))
+    alone = _STEPS_ALONE.set(True)
+    try:
+        with torch.no_grad():
+            model(prompt, caches)
+            ids = prompt
+            for t in (7, 8, 9, 10):                       # 13 to 16 columns: the last fills the storage
+                ids = torch.cat([ids, torch.tensor([[t]])], 1)
+                logits = step(torch.tensor([[t]]), caches)
+    finally: _STEPS_ALONE.reset(alone)
+    assert caches[0].num_seen == 16 and len(graphs) == 2   # the symbolic length, then the full storage
+    with torch.no_grad(): expected = model(ids)[:, -1:]
+    assert torch.allclose(logits, expected, atol=1e-5)

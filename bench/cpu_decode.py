@@ -58,8 +58,10 @@ llama.cpp's is. Recorded:
   `profile_compiled (4 KiB pages)` the same with the weights in ordinary memory;
 - `headroom`: a bare decode step written against the same weights (no checks, no masks, fused projections: what
   gpt-fast writes), with the weights row-major and column-major, to show what the step could reach;
-- `large`: a 1 B Llama shape (Llama 3.2 1B's sizes, 4.9 GB in float32) at 1 and 2 threads, 16 new tokens, against
-  the read rate measured just before and after it (`read_rate_around`).
+- `large`: a 1 B Llama shape (Llama 3.2 1B's sizes, 4.9 GB in float32) at 1 and 2 threads, the eager step over 16
+  new tokens and the compiled one over 32 (`compiled`, its first call's seconds too), against the read rate
+  measured just before and after them (`read_rate_around`); `--large-only` measures it again into `--out`, with
+  its own date and command.
 Printed and written; nothing is asserted.
 """
 import argparse, collections, contextlib, datetime, json, os, platform, shlex, statistics, subprocess, sys, tempfile, time
@@ -403,12 +405,41 @@ def bare_rate(model, column_major: bool, ids) -> tuple:
         return (NEW - 1) / (time.perf_counter() - start), new
 
 
+def large_runs(pages, bandwidth: dict) -> dict:
+    """The 1 B Llama shape at 1 and 2 threads: `generate`'s eager step (the default's until it compiles) over 16 new
+    tokens, then the compiled step (its first call timed: the compile) over 32, both against the read rate measured
+    just before and after them; `bandwidth` (the run's read rates) gives the limit at the run's start too."""
+    from selfattn_nbdev.models import Llama, llama_config
+    torch.manual_seed(0)
+    big = Llama(**llama_config(LARGE)).eval()
+    read, runs = bytes_a_token(big), {}
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        at_start = max(bandwidth[f'{threads}_thread{"s" * (threads > 1)}'].values()) / read
+        ids = torch.randint(3, LARGE['vocab_size'], (1, PROMPT))
+        around = [round_read_rate(pages)]  # the limit, measured just before and just after
+        with torch.no_grad():
+            rate, tokens = ours_rate(big, ids, 16)
+            start = time.perf_counter(); generate(big, ids, 2, stop_ids=[], compile=True)
+            compile_s = time.perf_counter() - start
+            compiled, compiled_tokens = ours_rate(big, ids, 32, compile=True)
+        around.append(round_read_rate(pages)); limit = statistics.mean(around) / read
+        runs[f'{threads}'] = dict(tok_s=rate, limit_tok_s=limit, fraction_of_limit=rate / limit,
+                                  read_rate_around=around, limit_at_start_tok_s=at_start,
+                                  compiled=dict(tok_s=compiled, fraction_of_limit=compiled / limit,
+                                                first_call_s=compile_s,
+                                                tokens_equal=bool(torch.equal(compiled_tokens[:, :16], tokens))))
+        print('large', threads, runs[f'{threads}'], flush=True)
+    return dict(config=LARGE, bytes_a_token=read, runs=runs)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument('--llamacpp-python', help="a Python with llama-cpp-python and gguf; else llama.cpp is skipped")
     parser.add_argument('--rounds', type=int, default=3)
     parser.add_argument('--out', default=str(ROOT/'bench'/'cpu_decode.json'))
     parser.add_argument('--no-large', action='store_true', help='leave out the 1 B shape')
+    parser.add_argument('--large-only', action='store_true', help='measure the 1 B shape again, into --out')
     parser.add_argument('--later-compile', nargs=2, metavar=('SHAPE', 'THREADS'), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.later_compile: return later_compile_child(args.later_compile[0], int(args.later_compile[1]))
@@ -416,6 +447,13 @@ def main():
     scratch = tempfile.TemporaryDirectory(prefix='cpu_decode_')
     # a fresh cache for torch.compile's kernels (read when it compiles), so `compile` times a first run's compile
     os.environ.setdefault('TORCHINDUCTOR_CACHE_DIR', os.path.join(scratch.name, 'inductor'))
+    if args.large_only:  # the rest of --out as it was; the 1 B shape with its own date and command
+        result = json.loads(Path(args.out).read_text())
+        pages = decoding.huge_page_buffer(2**30).view(torch.float32).fill_(1.0)
+        result['large'] = dict(large_runs(pages, result['bandwidth']), date=datetime.date.today().isoformat(),
+                               command='python bench/cpu_decode.py ' + shlex.join(sys.argv[1:]))
+        Path(args.out).write_text(json.dumps(result, indent=1) + '\n')
+        return print('wrote', args.out)
     transformers = quiet_transformers()
     load = [os.getloadavg()[0]]
     result = dict(command='python bench/cpu_decode.py' + (' ' + shlex.join(sys.argv[1:]) if sys.argv[1:] else ''),
@@ -593,22 +631,7 @@ def main():
             head[layout] = dict(tok_s=rate, tokens_equal=tokens == reference)
         result['shapes'][name]['headroom'] = head
         print(name, 'profile', result['shapes'][name]['profile'], 'headroom', head, flush=True)
-    if not args.no_large:
-        from selfattn_nbdev.models import Llama, llama_config
-        torch.manual_seed(0)
-        big = Llama(**llama_config(LARGE)).eval()
-        read, large = bytes_a_token(big), {}
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            at_start = max(result['bandwidth'][f'{threads}_thread{"s" * (threads > 1)}'].values()) / read
-            ids = torch.randint(3, LARGE['vocab_size'], (1, PROMPT))
-            around = [round_read_rate(pages)]  # the limit, measured just before and just after
-            with torch.no_grad(): rate, _ = ours_rate(big, ids, 16)
-            around.append(round_read_rate(pages)); limit = statistics.mean(around) / read
-            large[f'{threads}'] = dict(tok_s=rate, limit_tok_s=limit, fraction_of_limit=rate / limit,
-                                       read_rate_around=around, limit_at_start_tok_s=at_start)
-            print('large', threads, large[f'{threads}'], flush=True)
-        result['large'] = dict(config=LARGE, bytes_a_token=read, runs=large)
+    if not args.no_large: result['large'] = large_runs(pages, result['bandwidth'])
     load.append(os.getloadavg()[0])
     result['load_average_1min'] = load
     Path(args.out).write_text(json.dumps(result, indent=1) + '\n')

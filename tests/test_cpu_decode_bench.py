@@ -125,3 +125,20 @@ def test_the_read_rate_of_a_round_is_its_best_pass(monkeypatch):
     clock = iter([0.0, 2.0, 2.0, 3.0, 3.0, 5.0])                       # passes of 2, 1 and 2 s
     monkeypatch.setattr(cpu_decode.time, 'perf_counter', lambda: next(clock))
     assert cpu_decode.round_read_rate(torch.ones(256)) == 1024.0      # 1 KiB in the best pass, 1 s
+
+
+@pytest.mark.slow
+@pytest.mark.no_cover  # coverage's tracer slows torch.compile
+def test_the_large_shape_is_measured_eager_and_compiled(monkeypatch):
+    "large_runs on a tiny Llama config: both steps at both thread counts, the same tokens, fractions of one limit."
+    monkeypatch.setattr(cpu_decode, 'LARGE', dict(
+        model_type='llama', vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=48, max_position_embeddings=128, tie_word_embeddings=True))
+    threads = torch.get_num_threads()
+    try: large = cpu_decode.large_runs(torch.ones(2**20), {'1_thread': {'sum': 1e10}, '2_threads': {'sum': 2e10}})
+    finally: torch.set_num_threads(threads)
+    assert set(large['runs']) == {'1', '2'}
+    for r in large['runs'].values():
+        c = r['compiled']
+        assert c['tokens_equal'] and c['first_call_s'] > 0 and r['tok_s'] > 0
+        assert c['fraction_of_limit'] == c['tok_s'] / r['limit_tok_s'] and len(r['read_rate_around']) == 2

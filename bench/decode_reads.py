@@ -6,9 +6,10 @@ On a CPU, `StaticKVCache.begin_step` hands the compiled step the columns seen, t
 reads exactly those (`seen`). Before, and on a GPU still, where a CUDA graph replays fixed shapes, the host set a
 bound, `decode_bound`: the next power of two, at least 256 (`bound`). This times both in one process, on the same
 weights and caches: float32, batch 1, 1 thread, random weights of the shapes of bench/cpu_decode.py (GPT-2 small and
-its Llama shape), with CONTEXT tokens cached. The step is `generate`'s (`_decode_step(model, True)` inside
-`stacked` and `faster_products`, its weights in 2 MiB pages); each round runs STEPS steps one way, then the other
-(which goes first alternates), and rolls the caches back after each, so every step reads the same length. Recorded
+its Llama shape), with CONTEXT tokens cached. The step is `generate`'s compiled one (`_decode_step(model, True)`
+inside `stacked` and `faster_products`, its weights in 2 MiB pages), every guard checked at every step; each round
+runs STEPS steps one way, then the other (which goes first alternates), and rolls the caches back after each, so
+every step reads the same length. Recorded
 per shape and context: the milliseconds of a step each way (medians of the rounds, and every round's), the columns
 each reads, the ratio bound / seen, and whether both steps' logits chose the same token. Printed and written;
 nothing is asserted.

@@ -340,3 +340,22 @@ def test_a_step_that_reads_a_whole_storage_has_its_guards_checked():
     assert caches[0].num_seen == 16 and len(graphs) == 2   # the symbolic length, then the full storage
     with torch.no_grad(): expected = model(ids)[:, -1:]
     assert torch.allclose(logits, expected, atol=1e-5)
+
+
+def test_steps_that_cross_a_bound_compile_it_with_the_guards_left_to_the_host(monkeypatch):
+    """A GPU's rule on this CPU (every step reads decode_bound's columns): a text crossing 256 columns needs the
+    graph of bound 512 in the middle of a generate call, where the host leaves the guards to itself. The bound is
+    part of the host's state, so that step checks every guard and compiles; the tokens are eager's."""
+    torch.manual_seed(0)
+    gpt = TinyGPT(50, context_length=1024, d_model=32, num_layers=2, num_heads=2).eval()
+    prompt = torch.randint(0, 50, (1, 250))
+    eager = generate(gpt, prompt, 20)
+    graphs, skipped = [], []
+    def count(gm, example_inputs): graphs.append(gm); return gm.forward
+    monkeypatch.setattr(StaticKVCache, '_reads_a_bound', lambda self: True)
+    real = torch.compiler.set_stance
+    def noted(*args, **kwargs): skipped.append(kwargs.get('skip_guard_eval_unsafe')); return real(*args, **kwargs)
+    monkeypatch.setattr(torch.compiler, 'set_stance', noted)
+    compiled = generate(gpt, prompt, 20, compile=dict(backend=count, fullgraph=True, dynamic=False))
+    assert torch.equal(compiled, eager) and len(graphs) == 2   # bounds 256 and 512
+    assert skipped.count(True) == 19 - 2                      # every step but each bound's first

@@ -447,16 +447,17 @@ def main():
     scratch = tempfile.TemporaryDirectory(prefix='cpu_decode_')
     # a fresh cache for torch.compile's kernels (read when it compiles), so `compile` times a first run's compile
     os.environ.setdefault('TORCHINDUCTOR_CACHE_DIR', os.path.join(scratch.name, 'inductor'))
+    command = 'python bench/cpu_decode.py' + (' ' + shlex.join(sys.argv[1:]) if sys.argv[1:] else '')
     if args.large_only:  # the rest of --out as it was; the 1 B shape with its own date and command
         result = json.loads(Path(args.out).read_text())
         pages = decoding.huge_page_buffer(2**30).view(torch.float32).fill_(1.0)
         result['large'] = dict(large_runs(pages, result['bandwidth']), date=datetime.date.today().isoformat(),
-                               command='python bench/cpu_decode.py ' + shlex.join(sys.argv[1:]))
+                               command=command)
         Path(args.out).write_text(json.dumps(result, indent=1) + '\n')
         return print('wrote', args.out)
     transformers = quiet_transformers()
     load = [os.getloadavg()[0]]
-    result = dict(command='python bench/cpu_decode.py' + (' ' + shlex.join(sys.argv[1:]) if sys.argv[1:] else ''),
+    result = dict(command=command,
                   date=datetime.date.today().isoformat(), torch=torch.__version__,
                   transformers=transformers.__version__, machine=dict(
                       cpu_model=next((l.split(':', 1)[1].strip() for l in open('/proc/cpuinfo')

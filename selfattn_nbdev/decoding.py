@@ -686,6 +686,7 @@ def _decode_step(
         _forget_old_main()  # notebooks that share a process (nbdev_test): see the core
         bounds_now = [cache.begin_step(token_ids.shape[1]) for cache in caches or ()]
         bound = max((b for b in bounds_now if b is not None), default=None)  # KV's
+        # what the kept guards miss: a bound is a constant of its graph, not a shape
         state = (bound, torch.get_num_threads(), id(caches))
         alone = _STEPS_ALONE.get() and last.get('state') == state  # the same graph
         checked = (last['checked'] if alone  # nothing moved the weights since

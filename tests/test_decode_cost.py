@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from selfattn_nbdev.decoding import DECODE_MIN_BOUND, StaticKVCache, _decode_step, decode_bound, generate, generate_stream
+from selfattn_nbdev.decoding import (DECODE_MIN_BOUND, StaticKVCache, _decode_step, decode_bound, generate,
+                                     generate_stream)
 from selfattn_nbdev.generation import TinyGPT
 from selfattn_nbdev.multihead import MultiHeadAttention
 from selfattn_nbdev.ring import split_kv_attention
@@ -235,6 +236,18 @@ def test_split_kv_attention_refuses_bad_shapes_by_name():
     with pytest.raises(ValueError, match='num_splits'): split_kv_attention(torch.randn(1, 4, 1, 8), k, k, 0)
 
 
+def _stand_in_for_compile(monkeypatch, on_call=lambda: None):
+    "torch.compile stood in for: a model runs as if compiled (on_call() first); a function (the products' loop) eager."
+    def stand_in(model, **options):
+        if not isinstance(model, torch.nn.Module): return model
+        def run(*args):
+            on_call()
+            with monkeypatch.context() as m:
+                m.setattr(torch.compiler, 'is_compiling', lambda: True); return model(*args)
+        return run
+    monkeypatch.setattr(torch, 'compile', stand_in)
+
+
 @pytest.mark.parametrize('compile, marked', [
     (dict(mode='reduce-overhead'), True), (dict(mode='max-autotune'), True),
     (dict(options={'triton.cudagraphs': True, 'coordinate_descent_tuning': True}), True),
@@ -244,13 +257,8 @@ def test_every_mode_with_cuda_graphs_marks_each_step(monkeypatch, compile, marke
     cudagraphs backend: with any of them each step is marked as a new one (so a step's graph may reuse the last one's
     memory); without, none is. torch.compile is stood in for here (the model run as if compiled): this checks what
     the host does."""
-    def stand_in(model, **options):
-        def run(*args):
-            with monkeypatch.context() as m:
-                m.setattr(torch.compiler, 'is_compiling', lambda: True); return model(*args)
-        return run
     marks = []
-    monkeypatch.setattr(torch, 'compile', stand_in)
+    _stand_in_for_compile(monkeypatch)
     monkeypatch.setattr(torch.compiler, 'cudagraph_mark_step_begin', lambda: marks.append(1))
     model = TinyGPT(37, 64, d_model=16, num_heads=2, num_layers=1).eval()
     generate(model, torch.randint(0, 37, (1, 4)), 5, compile=compile)
@@ -283,14 +291,7 @@ def test_generate_checks_the_guards_once_and_a_stream_at_every_step(monkeypatch)
     unchanged. generate_stream hands each token to the caller, whose code may change the model: every guard, every
     step. A stance the caller set (here force_eager) is left alone. torch.compile is stood in for: the host's logic."""
     stance = torch._dynamo.eval_frame._stance
-    def stand_in(model, **options):
-        if not isinstance(model, torch.nn.Module): return model   # the products' loop: eager
-        def run(*args):
-            skipped.append(torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe)
-            with monkeypatch.context() as m:
-                m.setattr(torch.compiler, 'is_compiling', lambda: True); return model(*args)
-        return run
-    monkeypatch.setattr(torch, 'compile', stand_in)
+    _stand_in_for_compile(monkeypatch, lambda: skipped.append(torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe))
     model, prompt = TinyGPT(37, 64, d_model=16, num_heads=2, num_layers=1).eval(), torch.randint(0, 37, (1, 4))
     skipped = []; generate(model, prompt, 5, compile=True)
     assert skipped == [False, True, True, True]           # 4 steps: the first checks everything

@@ -64,6 +64,7 @@ bench: $(INSTALLED) ## time the attention paths against PyTorch's, generation, e
 	$(PY) bench/cpu_decode.py $(if $(LLAMACPP_PYTHON),--llamacpp-python $(LLAMACPP_PYTHON))
 	$(PY) bench/decode_reads.py
 	$(PY) bench/decode_guards.py
+	$(PY) bench/row_loop.py
 	$(PY) bench/thread_split.py $(if $(LLAMACPP_PYTHON),--llamacpp-python $(LLAMACPP_PYTHON))
 	$(PY) bench/row_kernels.py
 	$(PY) bench/auto_compile.py

@@ -7,9 +7,9 @@ from torch import nn
 import selfattn_nbdev.decoding as decoding
 from selfattn_nbdev import generate
 from selfattn_nbdev.models import GPT2, Llama
-from selfattn_nbdev.decoding import (GEMM_PROBE_ROWS, GEMV_ROWS, KERNELS, compiled_gemv_kernel, faster_products,
-                                     gemm_kernel, gemv_kernel, onednn_linear, row_bucket, row_dot, rows_kernel,
-                                     stacked)
+from selfattn_nbdev.decoding import (GEMM_PROBE_ROWS, GEMV_ROWS, KERNELS, LOOP_ROWS, compiled_gemv_kernel,
+                                     faster_products, gemm_kernel, gemv_kernel, onednn_linear, row_bucket, row_dot,
+                                     rows_kernel, stacked)
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason='a build without oneDNN')
 
@@ -218,10 +218,16 @@ def test_the_serving_engine_steps_by_the_measured_kernel(monkeypatch):
 
 
 def test_row_dot_is_the_product():
+    "One row, or several (a batch of one token each, a few tokens, rows read across a transpose): F.linear's."
     torch.manual_seed(0)
     x, w, b = torch.randn(2, 1, 40), torch.randn(24, 40), torch.randn(24)
     torch.testing.assert_close(row_dot(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(row_dot(x[0, 0], w), F.linear(x[0, 0], w), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(row_dot(x[:1], w, b), F.linear(x[:1], w, b), rtol=1e-5, atol=1e-5)
+    for rows in (torch.randn(4, 1, 40), torch.randn(2, 2, 40), torch.randn(40, 3).T):   # (3, 40): strided
+        got = row_dot(rows, w, b)
+        assert got.shape == (*rows.shape[:-1], 24)
+        torch.testing.assert_close(got, F.linear(rows, w, b), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow
@@ -242,6 +248,28 @@ def test_compiled_row_dot_computes_its_input_once_not_per_row():
     assert 'sqrt' in code                                            # the norm, computed once, apart
 
 
+@pytest.mark.slow
+def test_compiled_row_dot_of_a_few_rows_reads_each_weight_row_once_along_its_length():
+    """Four rows: each weight row is read once for all four while it is in the cache, and the loop runs along the
+    row (d_in), 16 floats at a time. Without row_dot's row-major layout, the second product's input (GELU of the
+    first's (d_out, rows) result) arrived transposed, and Inductor vectorized that loop along the 4 rows instead,
+    masking 12 of 16 lanes (`sum_masked_reduce`) and reading the weight one float at a time: the compiled step of
+    a batch of 4 then took 1.3 times as long as with oneDNN."""
+    from torch._inductor.utils import run_and_get_code
+    import torch._inductor.inductor_prims  # noqa: F401
+    torch.manual_seed(0)
+    w1, w2, x = torch.randn(256, 64), torch.randn(64, 256), torch.randn(4, 1, 64)
+    f = torch.compile(lambda x: row_dot(F.gelu(row_dot(F.layer_norm(x, (64,)), w1)), w2), fullgraph=True,
+                      dynamic=False)
+    with torch.no_grad():
+        got, (code,) = run_and_get_code(f, x)
+    torch.testing.assert_close(got, F.linear(F.gelu(F.linear(F.layer_norm(x, (64,)), w1)), w2), rtol=1e-4,
+                               atol=1e-4)
+    assert got.shape == (4, 1, 64) and 'sum_masked_reduce' not in code, code
+    for d_in in (64, 256):                                           # both products: d_in the vectorized loop
+        assert f'x2<static_cast<int64_t>({d_in}L); x2+=static_cast<int64_t>(16L)' in code, code
+
+
 @pytest.mark.parametrize('compiled,measured', [(True, 'loop'), (True, 'blas'), (False, 'loop')])
 def test_a_compiled_step_takes_row_dot_for_one_row_only_where_measured_faster(compiled, measured, monkeypatch):
     """Traced by Dynamo (is_compiling): told it is compiled and row_dot measured faster, one row is row_dot; row_dot
@@ -250,7 +278,7 @@ def test_a_compiled_step_takes_row_dot_for_one_row_only_where_measured_faster(co
     model, dots = _llama(), []
     real = decoding.row_dot
     monkeypatch.setattr(decoding, 'row_dot', lambda *a: dots.append(a[0].shape) or real(*a))
-    monkeypatch.setattr(decoding, 'compiled_gemv_kernel', lambda model, linears=None: measured)
+    monkeypatch.setattr(decoding, 'compiled_gemv_kernel', lambda model, linears=None, rows=1: measured)
     calls = _count(monkeypatch)
     with torch.no_grad(), faster_products(model, 'onednn', compiled=compiled):
         eager = model(torch.randint(0, 64, (1, 1), generator=torch.Generator().manual_seed(0)))
@@ -276,6 +304,7 @@ def test_a_compiled_step_of_several_rows_multiplies_by_the_kernel_measured_for_t
     are the eager step's."""
     model, ids = _llama(), torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
     calls = _count(monkeypatch)
+    monkeypatch.setattr(decoding, 'compiled_gemv_kernel', lambda model, linears=None, rows=1: 'onednn')
     with torch.no_grad(), decoding.stacked(model), faster_products(model, 'onednn', compiled=True, rows=(2, 16)):
         compiled_caches, eager_caches = model.new_caches(64), model.new_caches(64)
         model(ids, compiled_caches); nxt = model(ids, eager_caches)[:, -1:].argmax(-1)       # (2, 1)
@@ -286,6 +315,36 @@ def test_a_compiled_step_of_several_rows_multiplies_by_the_kernel_measured_for_t
             products = len(calls) // 2                                     # the compiled step's, then eager's
             assert calls == [2] * 2 * products and products == 2 * 4 + 1   # q k v, out, gate up, down; head
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            nxt = want[:, -1:].argmax(-1)
+
+
+@pytest.mark.slow
+def test_a_compiled_step_of_a_few_rows_takes_row_dot_where_measured_faster(monkeypatch):
+    """A batch of 3, told on entry, where the loop was measured faster for its bucket (4): every product of the
+    compiled step is row_dot of 3 rows, none calls oneDNN, and its logits are the eager step's. Only the step's
+    rows (the first told) are asked about, and never more than LOOP_ROWS."""
+    model, ids = _llama(), torch.randint(0, 64, (3, 8), generator=torch.Generator().manual_seed(0))
+    calls, asked, dots = _count(monkeypatch), [], []
+    monkeypatch.setattr(decoding, 'compiled_gemv_kernel',
+                        lambda model, linears=None, rows=1: asked.append(rows) or 'loop')
+    real = decoding.row_dot
+    monkeypatch.setattr(decoding, 'row_dot', lambda *a: dots.append(a[0].numel() // a[0].shape[-1]) or real(*a))
+    with faster_products(model, 'onednn', compiled=True, rows=(LOOP_ROWS + 1, 2)): pass
+    assert asked == []                                               # a step of 5 rows; 2: eager's rows
+    with torch.no_grad(), decoding.stacked(model), faster_products(model, 'onednn', compiled=True,
+                                                                   rows=(3, 24)):
+        assert asked == [3]                                          # the step's; 24: the prompt's, eager
+        compiled_caches, eager_caches = model.new_caches(64), model.new_caches(64)
+        model(ids, compiled_caches); nxt = model(ids, eager_caches)[:, -1:].argmax(-1)       # (3, 1)
+        step = decoding._decode_step(model, True)
+        for _ in range(3):
+            calls.clear(); dots.clear()
+            got = step(nxt, compiled_caches)                           # (3, 1, vocab)
+            want = model(nxt, eager_caches)                            # eager: oneDNN
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            # Dynamo replays the appends to `dots` after each run of its graph: q k v, out, gate up, down in
+            # 2 layers, and the head, each row_dot of 3 rows; only the eager step called oneDNN
+            assert dots == [3] * (2 * 4 + 1) and calls == [3] * (2 * 4 + 1)
             nxt = want[:, -1:].argmax(-1)
 
 
@@ -315,15 +374,40 @@ def test_compiled_gemv_kernel_measures_once_and_keeps_the_loop_unless_the_librar
     assert compiled_gemv_kernel(model) == 'loop' and len(timed) == 14  # kept: not measured again
     assert bases == [base] * 7                                       # against the one-row kernel only
     assert len(said()) == 1 and said()[0].startswith(
-        f'compiled_gemv_kernel: loop for one row at {torch.get_num_threads()} thread(s), measured in '), said()
-    # the largest group of one shape: the MLP's gate and up weights (128, 32), two a layer: four, timed one by one
-    # by the other kernel, and all at once by the loop
-    assert sorted(set(timed)) == [1, 4] and [*decoding._LOOPED][0][1:] == (4, 128, 32, one_row)
+        f'compiled_gemv_kernel: loop for 1 row(s) at {torch.get_num_threads()} thread(s), measured in '), said()
+    # the largest group of one shape: the MLP's gate and up weights (128, 32), two a layer: four, repeated until
+    # they hold the bytes a step reads (here the whole small model's, 8 copies), timed one by one by the other
+    # kernel, and all at once by the loop
+    step_bytes = sum(w.nbytes for w in decoding._step_weights(decoding._linears(model), 64 * 2 ** 20)[0])
+    copies = -(-step_bytes // (4 * 128 * 32 * 4))
+    assert sorted(set(timed)) == [1, 4 * copies] and [*decoding._LOOPED][0][1:] == (1, 4 * copies, 128, 32, one_row)
     decoding._LOOPED.clear(); ratio = 1.03                          # the loop 3 % slower: within 5 %, kept
     assert compiled_gemv_kernel(model) == 'loop'
     decoding._LOOPED.clear(); ratio = 1.1                           # 10 % slower: the library wins clearly
     assert compiled_gemv_kernel(model) == one_row
-    assert len(said()) == 3 and said()[2].startswith(f'compiled_gemv_kernel: {one_row} for one row'), said()
+    assert len(said()) == 3 and said()[2].startswith(f'compiled_gemv_kernel: {one_row} for 1 row(s)'), said()
+
+
+def test_compiled_gemv_kernel_measures_a_few_rows_by_their_bucket(monkeypatch):
+    """A batch of 2 to LOOP_ROWS: its bucket's rows, against the kernel rows_kernel chose for that bucket; 3 rows
+    take 4's answer, measured once. More than LOOP_ROWS is refused by name: there the libraries' blocked kernels
+    won in a step (bench/row_loop.py)."""
+    model, shapes, kernels = _llama(), [], []
+    monkeypatch.setattr(decoding, '_LOOPED', {})
+    monkeypatch.setattr(decoding, 'rows_kernel', lambda model, rows, linears=None: kernels.append(rows) or 'onednn')
+    monkeypatch.setattr(torch, 'compile', lambda fn, **options: fn)
+    def fake(kernel, weights, xs):
+        shapes.extend(tuple(x.shape) for x in xs.values())
+        return 1.0 if kernel is onednn_linear else 0.9
+    monkeypatch.setattr(decoding, '_timed', fake)
+    assert compiled_gemv_kernel(model, rows=4) == 'loop' and kernels == [4] and set(shapes) == {(4, 32)}
+    shapes.clear()
+    assert compiled_gemv_kernel(model, rows=3) == 'loop' and shapes == []      # bucket 4: kept
+    assert compiled_gemv_kernel(model, rows=2) == 'loop' and set(shapes) == {(2, 32)}
+    assert sorted(key[1] for key in decoding._LOOPED) == [2, 4]
+    for bad in (LOOP_ROWS + 1, 0, 2.0):
+        with pytest.raises(ValueError, match=r"rows must be"):
+            compiled_gemv_kernel(model, rows=bad)
 
 
 def test_a_row_dot_that_does_not_compile_leaves_the_blas_and_says_so(monkeypatch):
@@ -379,7 +463,8 @@ def test_every_native_family_decodes_by_onednn_to_the_same_tokens(kind, monkeypa
 def test_generate_asks_for_row_dot_only_when_inductor_compiles_the_step(compile, loops, monkeypatch):
     "Another backend runs row_dot as written, a (d_out, d_in) product a linear: the step keeps the BLAS there."
     model, told = _llama(), []
-    monkeypatch.setattr(decoding, 'compiled_gemv_kernel', lambda model, linears=None: told.append(model) or 'blas')
+    monkeypatch.setattr(decoding, 'compiled_gemv_kernel',
+                        lambda model, linears=None, rows=1: told.append(model) or 'blas')
     prompt = torch.randint(0, 64, (1, 4), generator=torch.Generator().manual_seed(0))
     if loops: monkeypatch.setattr(decoding, '_decode_step', lambda model, compile: model)  # no real compile here
     assert torch.equal(generate(model, prompt, 3, compile=compile), generate(model, prompt, 3))

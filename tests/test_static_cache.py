@@ -137,7 +137,7 @@ def test_compile_once_over_512_tokens_with_inductor():
     where a graph per bound (decode_bound: 256, 512, 544) made three; the tokens are the eager ones."""
     from selfattn_nbdev.decoding import compiled_gemv_kernel, stacked
     model, prompt = _model({}, context=600), torch.randint(0, 37, (2, 32))
-    with stacked(model): compiled_gemv_kernel(model)           # its probe's graph (generate's matrices): before
+    with stacked(model): compiled_gemv_kernel(model, rows=2)   # its probe's graph (generate's matrices, the batch)
     torch._dynamo.reset(); counters.clear()
     out = generate(model, prompt, 512, compile=True)
     assert counters['stats']['unique_graphs'] == 1

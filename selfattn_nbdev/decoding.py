@@ -401,7 +401,7 @@ def compiled_gemv_kernel(
 def faster_products(
     model:nn.Module, # the model whose linears compute by the kernels in the block
     kernel:str|None=None, # one of KERNELS for all rows; None: measured, by rows
-    compiled:bool=False, # a compiled step of rows[0] rows traced in the block: row_dot?
+    compiled:bool=False, # a compiled step of rows[0] rows: row_dot if faster
     rows=(1, GEMM_PROBE_ROWS), # the rows the block's products will have: measured now
 ):
     "Within the block, the model's plain linears multiply rows by the faster kernel."

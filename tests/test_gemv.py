@@ -376,7 +376,7 @@ def test_compiled_gemv_kernel_measures_once_and_keeps_the_loop_unless_the_librar
     assert len(said()) == 1 and said()[0].startswith(
         f'compiled_gemv_kernel: loop for 1 row(s) at {torch.get_num_threads()} thread(s), measured in '), said()
     # the largest group of one shape: the MLP's gate and up weights (128, 32), two a layer: four, repeated until
-    # they hold the bytes a step reads (here the whole small model's, 8 copies), timed one by one by the other
+    # they hold the bytes a step reads (here the whole small model's: 2 copies), timed one by one by the other
     # kernel, and all at once by the loop
     step_bytes = sum(w.nbytes for w in decoding._step_weights(decoding._linears(model), 64 * 2 ** 20)[0])
     copies = -(-step_bytes // (4 * 128 * 32 * 4))

@@ -342,6 +342,7 @@ class StaticKVCache:
         "The host's half of a compiled step: count its tokens, say what it reads."
         self.num_seen += num_new
         self._masks.clear()  # the caches sharing them: the first of the step builds
+        first = self.columns_read is None  # no step has read this storage's columns
         self.bound = self.columns_read = None
         if self._reads_a_bound():
             self.bound = decode_bound(self.num_seen, self.capacity)
@@ -351,6 +352,9 @@ class StaticKVCache:
         # a length that may vary; maybe_: a step that reads every column, which
         # generate never runs (capacity > its last step's), takes a graph of its own
         torch._dynamo.maybe_mark_dynamic(self.columns_read, 0)
+        if first and self._keys.shape[2] == self.capacity:  # (a ring's is its window)
+            for storage in (self._keys, self._values):  # and any capacity: a longer
+                torch._dynamo.maybe_mark_dynamic(storage, 2)  # text, the same graph
         return None
 
     def _reads_a_bound(self) -> bool: # or the columns seen, their number symbolic

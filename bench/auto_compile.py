@@ -35,7 +35,8 @@ def child(shape: str, setting: str, calls: int) -> dict:
         start = time.perf_counter()
         out = generate(model, ids, NEW, stop_ids=[], compile=SETTINGS[setting])
         seconds.append(time.perf_counter() - start)
-        compiled.append(torch.get_num_threads() in model.__dict__.get('_step_compiled_at', ()))
+        graph = (torch.get_num_threads(), len(ids), False)  # threads, rows, padded: its graph
+        compiled.append(graph in model.__dict__.get('_step_compiled_at', ()))
         tokens = out[0, PROMPT:].tolist() if tokens is None else tokens
     return dict(seconds=seconds, compiled=compiled, tokens=tokens, total_s=sum(seconds),
                 compiled_at_call=next((i + 1 for i, c in enumerate(compiled) if c), None),

@@ -748,20 +748,21 @@ COMPILE_AFTER_SECONDS = 10.0  # eager decode steps compile='auto' times before c
 def _auto_step(
     model:nn.Module, # its steps run eagerly until they have cost about a compile
     compiled_step, # () -> the compiled step: called once, when the time has come
+    graph:tuple, # (threads, rows, padded): what compiles a graph of its own
 ): # a function of (token_ids, caches) -> logits
     "compile='auto': eager steps, timed; past COMPILE_AFTER_SECONDS of them, compiled."
-    spent = model.__dict__.setdefault('_eager_step_seconds', {})  # by thread count
-    threads, compiled, first = torch.get_num_threads(), None, True
+    spent = model.__dict__.setdefault('_eager_step_seconds', {})  # by graph: each
+    compiled, first = None, True                                 # pays its own rent
     def eager(token_ids, caches):  # timed: the rent paid so far in this process
         start = time.perf_counter()
         logits = model(token_ids, caches)
-        spent[threads] = spent.get(threads, 0.0) + time.perf_counter() - start
+        spent[graph] = spent.get(graph, 0.0) + time.perf_counter() - start
         return logits
     def step(token_ids, caches):
         nonlocal compiled, first
         if compiled is None and not model.__dict__.get('_compile_failed') and (
-                spent.get(threads, 0.0) >= COMPILE_AFTER_SECONDS
-                or threads in model.__dict__.get('_step_compiled_at', ())):
+                spent.get(graph, 0.0) >= COMPILE_AFTER_SECONDS
+                or graph in model.__dict__.get('_step_compiled_at', ())):
             compiled = compiled_step()  # the graphs this model has: reused
         if not compiled: return eager(token_ids, caches)
         if not first: return compiled(token_ids, caches)
@@ -775,8 +776,8 @@ def _auto_step(
                           f"steps stay eager. compile=False is the same without "
                           f"this warning")
             return eager(token_ids, caches)
-        first = False  # compiled: later calls at this thread count compile at once
-        model.__dict__.setdefault('_step_compiled_at', set()).add(threads)
+        first = False  # compiled: later calls of this graph compile at once
+        model.__dict__.setdefault('_step_compiled_at', set()).add(graph)
         return logits
     return step
 
@@ -836,24 +837,26 @@ def generate_stream(
         total = decode_bound(total, model.context_length)
     caches = model.new_caches(total if static else None, pads) if use_cache else None
     rows = (len(token_ids), token_ids.numel())  # a step's, the prompt's
+    # what gives a compiled step a graph of its own (the length and capacity do not)
+    graph = (torch.get_num_threads(), len(token_ids), pads is not None)
     products = ExitStack()  # faster_products, told when the step is compiled
     def compiled_step():  # compile='auto', when eager steps have cost a compile
-        threads = torch.get_num_threads()
-        if threads not in model.__dict__.get('_step_compiled_at', ()):
-            spent = model.__dict__['_eager_step_seconds'].get(threads, 0.0)
-            _log.warning(f"generate: this model's eager decode steps have taken "
-                         f"{spent:.1f} s at {threads} thread(s), past "
-                         f"COMPILE_AFTER_SECONDS={COMPILE_AFTER_SECONDS:g}; compiling "
-                         f"the step now, once (seconds; later calls reuse it). "
+        if graph not in model.__dict__.get('_step_compiled_at', ()):
+            spent = model.__dict__['_eager_step_seconds'].get(graph, 0.0)
+            threads, b, padded = graph
+            _log.warning(f"generate: this model's eager decode steps of {b} row(s)"
+                         f"{', padded,' if padded else ''} at {threads} thread(s) have "
+                         f"taken {spent:.1f} s, past COMPILE_AFTER_SECONDS="
+                         f"{COMPILE_AFTER_SECONDS:g}; compiling the step now, once "
+                         f"(seconds; later calls of this batch reuse it). "
                          f"compile=False never compiles")
         products.close()
         products.enter_context(faster_products(model, compiled=True, rows=rows))
         return _decode_step(model, True, asked=False)
-    step = (None if not use_cache else _auto_step(model, compiled_step) if auto
+    step = (None if not use_cache else _auto_step(model, compiled_step, graph) if auto
             else _decode_step(model, compile))
     if compile is True and use_cache:  # the options compile='auto' uses: reused by it
-        compiled_at = model.__dict__.setdefault('_step_compiled_at', set())
-        compiled_at.add(torch.get_num_threads())
+        model.__dict__.setdefault('_step_compiled_at', set()).add(graph)
     # without a cache, a fresh one for every prefix, only to place the padding
     fresh = lambda n: None if pads is None else model.new_caches(capacity=n, pads=pads)
     # row_dot is a loop once Inductor compiles it: another backend makes it whole

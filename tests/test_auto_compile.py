@@ -1,6 +1,6 @@
 """generate's default, compile='auto': on a CPU the decode steps run eagerly, timed, until this model's eager steps
-have cost about one compile (COMPILE_AFTER_SECONDS); then the step is compiled, once, and every later step and call
-reuses it. Rent until the rent paid equals the price, then buy: the time lost is at most about twice the better
+of a batch shape have cost about one compile (COMPILE_AFTER_SECONDS); then the step is compiled, once, and every later
+step and call of that shape reuses it. Rent until the rent paid equals the price, then buy: the time lost is at most about twice the better
 choice made in hindsight, without knowing how long the user will decode."""
 import logging
 
@@ -42,7 +42,7 @@ def test_a_short_call_decodes_eagerly_and_counts_its_steps_seconds(monkeypatch):
     assert decoding.COMPILE_AFTER_SECONDS == 10.0  # the default: about one compile (Measurements)
     assert torch.equal(generate(model, PROMPT, 12), _reference(model, 12))
     assert made == []
-    spent = model.__dict__['_eager_step_seconds'][torch.get_num_threads()]
+    spent = model.__dict__['_eager_step_seconds'][torch.get_num_threads(), 2, False]  # threads, rows, padded
     assert 0 < spent < decoding.COMPILE_AFTER_SECONDS
 
 
@@ -60,6 +60,35 @@ def test_the_step_is_compiled_in_the_middle_of_a_call_once_the_eager_steps_have_
     assert torch.equal(generate(model, PROMPT, 20, step_times=steps), _reference(model, 20))
     assert len(made) == 2 and len(steps) == 20  # a new step function, no new warning:
     assert sum('compiling the step now' in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_batch_of_another_shape_pays_its_own_rent(monkeypatch, caplog):
+    """Each batch shape (its rows, padded or not) compiles a graph of its own, seconds each: once a shape has compiled,
+    another still runs eagerly until its own eager steps have cost a compile, while the compiled shape goes on at once.
+    So the bound holds per graph: a session never pays a compile that its steps of that shape have not earned."""
+    model, made = _llama(), _eager_backend(monkeypatch)
+    monkeypatch.setattr(decoding, 'COMPILE_AFTER_SECONDS', 1e-12)
+    assert torch.equal(generate(model, PROMPT, 6), _reference(model, 6))   # 2 rows: compiled at its second step
+    assert len(made) == 1
+    monkeypatch.setattr(decoding, 'COMPILE_AFTER_SECONDS', 10.0)
+    padded, said = [PROMPT[0, 3:], PROMPT[1]], lambda: [r.getMessage() for r in caplog.records
+                                                        if r.name == 'selfattn_nbdev.decoding']
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger='selfattn_nbdev.decoding'):
+        assert torch.equal(generate(model, PROMPT[:1], 6), generate(model, PROMPT[:1], 6, compile=False))  # 1 row
+        eager = generate(model, padded, 6, compile=False)
+        assert all(torch.equal(a, b) for a, b in zip(generate(model, padded, 6), eager))  # 2 rows, padded
+    assert len(made) == 1 and not said()                                     # both eager, their rent not paid
+    spent = model.__dict__['_eager_step_seconds']
+    threads = torch.get_num_threads()
+    assert spent[threads, 1, False] > 0 and spent[threads, 2, True] > 0
+    generate(model, PROMPT, 6)                                               # 2 rows again: compiled at once
+    assert len(made) == 2
+    monkeypatch.setattr(decoding, 'COMPILE_AFTER_SECONDS', 1e-12)            # the 1-row shape's rent, paid:
+    with caplog.at_level(logging.WARNING, logger='selfattn_nbdev.decoding'):
+        generate(model, PROMPT[:1], 6)
+    assert len(made) == 3
+    assert any('steps of 1 row(s) at' in m for m in said())
 
 
 def test_a_model_compiled_by_compile_true_is_reused_by_auto_at_once(monkeypatch):
@@ -178,4 +207,5 @@ def test_the_switch_in_the_middle_of_a_call_writes_the_eager_tokens_in_every_fam
             same = (torch.equal(switched, reference) if isinstance(reference, torch.Tensor)
                     else all(torch.equal(a, b) for a, b in zip(switched, reference)))
             assert same, name
-        assert torch.get_num_threads() in model.__dict__['_step_compiled_at'], name
+        graphs = {(torch.get_num_threads(), 2, padded) for padded in (False, True)}
+        assert graphs <= model.__dict__['_step_compiled_at'], name

@@ -51,7 +51,7 @@ test-nbdev: $(INSTALLED) ## nbdev_test over every notebook (skips `#| slow` cell
 test-site: $(INSTALLED) ## build the site, serve it on 127.0.0.1 and walk every page in headless Chromium
 	$(PY) -m pytest -m site -s -q
 
-bench: $(INSTALLED) ## time the attention paths against PyTorch's, generation, eager and compiled decode, GQA/window/RoPE, tiled and masked memory, every checkpoint family against transformers, loading memory, any model through transformers beside sdpa, decoding on a CPU against its memory limit, what reading the columns seen gains, how its products share two threads, by the kernel of each number of rows and over a session of calls (~85 min; llama.cpp too with LLAMACPP_PYTHON=<a Python with llama-cpp-python and gguf>)
+bench: $(INSTALLED) ## time the attention paths against PyTorch's, generation, eager and compiled decode, GQA/window/RoPE, tiled and masked memory, every checkpoint family against transformers, loading memory, any model through transformers beside sdpa, decoding on a CPU against its memory limit, what reading the columns seen gains and a graph of any capacity costs, how its products share two threads, by the kernel of each number of rows and over a session of calls (~85 min; llama.cpp too with LLAMACPP_PYTHON=<a Python with llama-cpp-python and gguf>)
 	$(PY) bench/benchmark.py
 	$(PY) bench/generation.py
 	$(PY) bench/decode.py
@@ -63,6 +63,7 @@ bench: $(INSTALLED) ## time the attention paths against PyTorch's, generation, e
 	$(PY) bench/hf_route.py
 	$(PY) bench/cpu_decode.py $(if $(LLAMACPP_PYTHON),--llamacpp-python $(LLAMACPP_PYTHON))
 	$(PY) bench/decode_reads.py
+	$(PY) bench/any_capacity.py
 	$(PY) bench/decode_guards.py
 	$(PY) bench/row_loop.py
 	$(PY) bench/thread_split.py $(if $(LLAMACPP_PYTHON),--llamacpp-python $(LLAMACPP_PYTHON))

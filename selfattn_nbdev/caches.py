@@ -209,6 +209,7 @@ class StaticKVCache:
         self.columns_read = None  # or those it reads, their number symbolic: the host's
 
     claim = KVCache.claim  # one module; padding as pads=
+    any_capacity = False  # compiled on a CPU: its capacity a symbol too (generate's)
 
     def __len__(self) -> int:
         "The number of columns written."
@@ -352,9 +353,9 @@ class StaticKVCache:
         # a length that may vary; maybe_: a step that reads every column, which
         # generate never runs (capacity > its last step's), takes a graph of its own
         torch._dynamo.maybe_mark_dynamic(self.columns_read, 0)
-        if first and self._keys.shape[2] == self.capacity:  # (a ring's is its window)
-            for storage in (self._keys, self._values):  # and any capacity: a longer
-                torch._dynamo.maybe_mark_dynamic(storage, 2)  # text, the same graph
+        if first and self.any_capacity and self._keys.shape[2] == self.capacity:
+            for storage in (self._keys, self._values):  # and the capacity (a ring's
+                torch._dynamo.maybe_mark_dynamic(storage, 2)  # slots stay): one graph
         return None
 
     def _reads_a_bound(self) -> bool: # or the columns seen, their number symbolic

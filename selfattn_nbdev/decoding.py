@@ -836,6 +836,10 @@ def generate_stream(
     if auto or compile is not False:  # a power of two: a compiled step, many lengths
         total = decode_bound(total, model.context_length)
     caches = model.new_caches(total if static else None, pads) if use_cache else None
+    if caches is not None and static and (auto or compile is not False):
+        met = model.__dict__.setdefault('_step_capacities', set())  # a second one:
+        for cache in caches: cache.any_capacity = bool(met - {total})  # any, from now
+        met.add(total)
     rows = (len(token_ids), token_ids.numel())  # a step's, the prompt's
     # what gives a compiled step a graph of its own (the length and capacity do not)
     graph = (torch.get_num_threads(), len(token_ids), pads is not None)

@@ -56,19 +56,20 @@ def test_a_step_costs_the_same_work_at_any_capacity():
 @pytest.mark.heavy
 def test_compiled_step_counts_on_the_host_and_reads_the_columns_seen():
     """A compiled step (a counting backend here: the logic, not the speed). On a CPU every cache reads exactly the
-    columns seen, a length Dynamo was told varies, from storage whose capacity it was told varies too, so one graph
-    serves both texts (251 to 270 columns of 512, and 501 to 520 of 1,024); storage on a GPU, whose CUDA graphs replay
-    fixed shapes, reads decode_bound's columns."""
+    columns seen, a length Dynamo was told varies, so one graph serves a whole text (251 to 270 columns of 512); a
+    second capacity (501 to 520 of 1,024) compiles one more graph, which reads storage of any capacity (generate sets
+    the caches' any_capacity from then on), so a third (81 to 100 of 256) compiles none; storage on a GPU, whose CUDA
+    graphs replay fixed shapes, reads decode_bound's columns."""
     from types import SimpleNamespace
     torch.manual_seed(0)
     gpt = TinyGPT(50, context_length=1024, d_model=32, num_layers=2, num_heads=2).eval()
     graphs = []
     def count(gm, example_inputs): graphs.append(gm); return gm.forward
-    for n in (250, 500):                                  # capacities decode_bound(270), decode_bound(520)
+    for n in (250, 500, 80):                              # capacities decode_bound(270), (520), (100)
         prompt = torch.randint(0, 50, (1, n))
         compiled = generate(gpt, prompt, 20, compile=dict(backend=count, fullgraph=True, dynamic=False))
         assert torch.equal(compiled, generate(gpt, prompt, 20))
-    assert len(graphs) == 1                               # 512 and 1024: a graph each made 2, bounds 4
+    assert len(graphs) == 2                               # 512, then any: a graph each made 3, bounds 5
     caches, prompt = gpt.new_caches(1024), torch.randint(0, 50, (1, 250))
     step = _decode_step(gpt, dict(backend=count, fullgraph=True, dynamic=False))
     with torch.no_grad():
@@ -198,8 +199,8 @@ def test_prompts_of_other_lengths_reuse_the_compiled_step():
         assert torch.equal(generate(model, prompt, 8, compile=options), generate(model, prompt, 8))
         made.append(len(graphs) - before)
     assert made == [1, 0, 0, 0, 0]
-    generate(model, torch.randint(0, 37, (1, 300)), 8, compile=options)   # 308 tokens: the bucket of 512,
-    assert len(graphs) == 1                                                # the same graph
+    generate(model, torch.randint(0, 37, (1, 300)), 8, compile=options)   # 308 tokens: the bucket of 512
+    assert len(graphs) == 2
 
 
 def test_a_module_without_a_cache_still_zeros_a_query_with_no_key():

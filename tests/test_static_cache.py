@@ -89,10 +89,11 @@ def test_compile_once_for_a_whole_generation():
 def test_a_compile_reports_its_seconds_once(caplog):
     """The first compiled step compiles, and generate says at INFO how long it took (logger selfattn_nbdev.decoding);
     a second generate of the same model and capacity reuses Dynamo's graph and says nothing; on a CPU one graph reads
-    any number of cached positions from storage of any capacity, so a longer generation compiles nothing either."""
+    any number of cached positions, a longer generation's larger storage compiles one graph more, which reads storage
+    of any capacity, and a third capacity compiles nothing."""
     import logging, re
     model, prompt = _model({}, context=600), torch.randint(0, 37, (1, 5))
-    options = dict(backend='eager', fullgraph=True)
+    options = dict(backend='eager', fullgraph=True, dynamic=False)  # compile=True's: no automatic dynamic
     torch._dynamo.reset()
     said = lambda: [r.getMessage() for r in caplog.records if r.name == 'selfattn_nbdev.decoding'
                     and r.getMessage().startswith('generate(compile')]  # (rows_kernel's: its own)
@@ -103,10 +104,12 @@ def test_a_compile_reports_its_seconds_once(caplog):
         again = said()
         generate(model, prompt, 300, compile=options)        # 305 positions: a capacity of 512
         longer = said()
+        generate(model, prompt, 550, compile=options)        # 555 positions: a capacity of 600, the context
+        longest = said()
     assert len(first) == 1 and 'reading any number of cached positions' in first[0], first
     assert 0 < float(re.search(r'in ([0-9.]+) s at', first[0]).group(1)) < 60
     assert again == first
-    assert longer == first, longer                           # one graph for 6 to 305 positions, 256 or 512
+    assert len(longer) == 2 and longest == longer, longest  # a graph for 256, then one for any capacity
 
 
 def test_a_new_thread_count_compiles_again_and_says_so():
@@ -287,9 +290,11 @@ def test_a_compiled_decode_step_writes_the_eager_tokens_in_every_family(tmp_path
             warnings.simplefilter('error', UserWarning)  # (torch's own DeprecationWarnings pass)
             compiled = generate(model, ids, 10, compile=True)
         assert torch.equal(compiled, eager), name
-        graphs = counters['stats']['unique_graphs']           # 10 to 309 positions in storage of 512: the
-        longer = generate(model, ids, 300, compile=True)       # graph of storage of 256 (a graph per capacity
-        windows = {getattr(m, 'window', None) for m in model.modules()}  # made one more; per bound, two),
-        ring = any(isinstance(w, int) and 256 <= w < 512 for w in windows)  # unless 512 makes a window a ring
-        assert counters['stats']['unique_graphs'] == graphs + ring, name
+        graphs = counters['stats']['unique_graphs']           # 10 to 309 positions in storage of 512: a graph
+        longer = generate(model, ids, 300, compile=True)       # of any capacity (per bound: two)
+        assert counters['stats']['unique_graphs'] == graphs + 1, name
+        windows = {getattr(m, 'window', None) for m in model.modules()}  # 256 again: no graph, unless 512
+        ring = any(isinstance(w, int) and 256 <= w < 512 for w in windows)  # made the window a ring: then the
+        assert torch.equal(generate(model, ids, 10, compile=True), compiled), name  # graph of any capacity is
+        assert counters['stats']['unique_graphs'] == graphs + 1 + ring, name       # this one
         assert torch.equal(longer, generate(model, ids, 300)), name

@@ -14,7 +14,7 @@ first alternates), rolling the caches back after each. Recorded per shape and co
 of the rounds, and every round's), the ratio any / fixed, the storage's capacity, and whether both chose the same
 token. Printed and written; nothing is asserted. Nothing else should run.
 """
-import argparse, datetime, json, os, statistics, sys, time
+import argparse, json, statistics, sys, time
 from pathlib import Path
 
 import torch
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from selfattn_nbdev import decoding  # noqa: E402
 
-from bench.benchmark import cpu_model  # noqa: E402
+from bench.benchmark import provenance  # noqa: E402
 from bench.cpu_decode import SHAPES, hf_model, ours_of  # noqa: E402
 
 CONTEXTS = (32, 512)
@@ -66,9 +66,7 @@ def main():
     args = ap.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    result = dict(date=datetime.date.today().isoformat(), command='python bench/any_capacity.py',
-                  torch=torch.__version__, machine=dict(cpu_model=cpu_model(), cpu_count=os.cpu_count()),
-                  threads=1, dtype='float32', steps_a_round=STEPS, rounds=ROUNDS, shapes={})
+    result = dict(provenance(__file__), threads=1, dtype='float32', steps_a_round=STEPS, rounds=ROUNDS, shapes={})
     options = dict(fullgraph=True, dynamic=False, options=dict(cpp_wrapper=True))  # compile=True's, on a CPU
     for name in SHAPES:
         model = ours_of(hf_model(SHAPES[name]))

@@ -1,18 +1,19 @@
 """Benchmark: what a compiled CPU decode step pays for reading storage of any capacity in one graph.
 
-    python bench/any_capacity.py [--out bench/any_capacity.json]    # about 4 minutes
+    python bench/any_capacity.py [--out bench/any_capacity.json]    # about 2 minutes
 
-On a CPU, once a model's compiled steps have met a second capacity (a longer text takes a larger cache: decode_bound's
-256, 512, 1024, ...), `generate` sets `any_capacity` on its new caches, and `StaticKVCache.begin_step` marks their
-storage dynamic along its columns, so one more graph serves every capacity after instead of one graph each (seconds
-each). That graph addresses the storage through a symbol for its capacity rather than a constant. This times both kinds of graph in one process, on the same weights: float32, batch
-1, 1 thread, random weights of bench/cpu_decode.py's shapes, CONTEXTS tokens cached, every product as `generate`'s
+On a CPU, once a model's compiled steps of a batch have met a second capacity (a longer text takes a larger cache:
+decode_bound's 256, 512, 1024, ...), `generate` sets `any_capacity` on its new caches, and
+`StaticKVCache.begin_step` marks their storage dynamic along its columns, so one more graph serves every capacity
+after instead of one graph each (seconds each). That graph addresses the storage through a symbol for its capacity
+rather than a constant. This times both kinds of graph in one process, on the same weights: float32, batch 1, 1
+thread, random weights of bench/cpu_decode.py's shapes, CONTEXTS tokens cached, every product as `generate`'s
 compiled step has it (`stacked`, `faster_products`, weights in 2 MiB pages, Inductor with its C++ wrapper). `fixed`
-is a graph traced for the storage's capacity, `any` the graph of any capacity (its caches' `any_capacity` set);
-each has its own compiled function and caches, and each round runs STEPS steps one way, then the other (which goes
-first alternates), rolling the caches back after each. Recorded per shape and context: ms a step each way (medians
-of the rounds, and every round's), the ratio any / fixed, the storage's capacity, and whether both chose the same
-token. Printed and written; nothing is asserted. Nothing else should run.
+is a graph traced for the storage's capacity, `any` the graph of any capacity (its caches' `any_capacity` set); each
+has its own compiled function and caches, and each round runs STEPS steps one way, then the other (which goes first
+alternates), rolling the caches back after each. Recorded per shape and context: ms a step each way (medians of the
+rounds, and every round's), the ratio any / fixed, the storage's capacity, and whether both chose the same token.
+Printed and written; nothing is asserted. Nothing else should run.
 """
 import argparse, json, statistics, sys, time
 from pathlib import Path

@@ -48,7 +48,8 @@ llama.cpp's is. Recorded:
   llama.cpp);
 - `costs`: at 1 thread, contexts of 32, 512 and the longest the shape takes less the new tokens (1,984 for the
   Llama shape, 960 for GPT-2's 1,024) at batch 1, and batches of 4 and 16 at 32: the package's eager `generate`
-  and its compiled step (`compiled`: `compile=True`, a graph per batch and storage, compiled before the rounds), each
+  and its compiled step (`compiled`: `compile=True`, a graph per batch, and from a second storage size on one of any
+  capacity, as `generate` makes them, compiled before the rounds), each
   with the bytes a step reads over its time and that rate over the one-thread read rate measured in the same rounds
   (`fraction_of_limit`, `read_rate_each_round`), and
   beside them transformers (dynamic and static cache) and llama.cpp (batch 1: llama-cpp-python decodes one

@@ -836,13 +836,13 @@ def generate_stream(
     if auto or compile is not False:  # a power of two: a compiled step, many lengths
         total = decode_bound(total, model.context_length)
     caches = model.new_caches(total if static else None, pads) if use_cache else None
-    if caches is not None and static and (auto or compile is not False):
-        met = model.__dict__.setdefault('_step_capacities', set())  # a second one:
-        for cache in caches: cache.any_capacity = bool(met - {total})  # any, from now
-        met.add(total)
     rows = (len(token_ids), token_ids.numel())  # a step's, the prompt's
-    # what gives a compiled step a graph of its own (the length and capacity do not)
+    # what gives a compiled step a graph of its own (the length does not)
     graph = (torch.get_num_threads(), len(token_ids), pads is not None)
+    if caches is not None and static and (auto or compile is not False):
+        met = model.__dict__.setdefault('_step_capacities', {}).setdefault(graph, set())
+        for cache in caches: cache.any_capacity = bool(met - {total})  # a second one:
+        met.add(total)                                                 # any, from now
     products = ExitStack()  # faster_products, told when the step is compiled
     def compiled_step():  # compile='auto', when eager steps have cost a compile
         if graph not in model.__dict__.get('_step_compiled_at', ()):

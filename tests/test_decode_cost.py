@@ -203,6 +203,23 @@ def test_prompts_of_other_lengths_reuse_the_compiled_step():
     assert len(graphs) == 2
 
 
+@pytest.mark.heavy
+def test_a_second_capacity_makes_a_graph_of_any_capacity_for_its_batch_only():
+    """generate counts the capacities each batch shape (thread count, rows, padded) has met: a second one at 2 rows
+    compiles that batch's graph of any capacity, and leaves 1 row's graph, traced for its one capacity, as it was."""
+    torch.manual_seed(0)
+    model = TinyGPT(37, 1024, d_model=16, num_heads=2, num_layers=1).eval()
+    graphs = []
+    def count(gm, example_inputs): graphs.append(gm); return gm.forward
+    options = dict(backend=count, fullgraph=True, dynamic=False)
+    made = []
+    for rows, n in ((1, 5), (2, 5), (2, 300), (1, 5), (2, 600), (2, 5)):  # capacities 256, 256, 512, 256, 1024, 256
+        prompt, before = torch.randint(0, 37, (rows, n)), len(graphs)
+        assert torch.equal(generate(model, prompt, 8, compile=options), generate(model, prompt, 8))
+        made.append(len(graphs) - before)
+    assert made == [1, 1, 1, 0, 0, 0]
+
+
 def test_a_module_without_a_cache_still_zeros_a_query_with_no_key():
     "Without a cache, a padding query sees no key: the check stays there, and its context is 0, not NaN."
     torch.manual_seed(0)

@@ -182,6 +182,19 @@ def test_a_compiled_step_builds_its_mask_once(window):
             assert (step(ids, caches) - model(ids, reference)).abs().max() < 1e-12
 
 
+def _graphs_per_call(model, calls) -> list:
+    """compile=True's options with a backend that counts Dynamo's graphs (and runs each as traced): the graphs each
+    generate call made, for prompts of (rows, tokens); each call writes the eager tokens."""
+    graphs = []
+    def count(gm, example_inputs): graphs.append(gm); return gm.forward
+    options, made = dict(backend=count, fullgraph=True, dynamic=False), []
+    for rows, n in calls:
+        prompt, before = torch.randint(0, 37, (rows, n)), len(graphs)
+        assert torch.equal(generate(model, prompt, 8, compile=options), generate(model, prompt, 8))
+        made.append(len(graphs) - before)
+    return made
+
+
 @pytest.mark.heavy
 def test_prompts_of_other_lengths_reuse_the_compiled_step():
     """Compiling, generate gives its caches decode_bound(prompt + new tokens) columns, so a prompt of another length
@@ -189,18 +202,8 @@ def test_prompts_of_other_lengths_reuse_the_compiled_step():
     failed at Dynamo's limit after about 115 lengths); the tokens are the eager ones."""
     torch.manual_seed(0)
     model = TinyGPT(37, 512, d_model=16, num_heads=2, num_layers=1).eval()
-    graphs = []
-    def count(gm, example_inputs): graphs.append(gm); return gm.forward
-    options = dict(backend=count, fullgraph=True, dynamic=False)
-    made = []
-    for n in (5, 6, 7, 40, 5):
-        prompt = torch.randint(0, 37, (1, n))
-        before = len(graphs)
-        assert torch.equal(generate(model, prompt, 8, compile=options), generate(model, prompt, 8))
-        made.append(len(graphs) - before)
-    assert made == [1, 0, 0, 0, 0]
-    generate(model, torch.randint(0, 37, (1, 300)), 8, compile=options)   # 308 tokens: the bucket of 512
-    assert len(graphs) == 2
+    made = _graphs_per_call(model, [(1, n) for n in (5, 6, 7, 40, 5, 300)])  # 308 tokens: the bucket of 512
+    assert made == [1, 0, 0, 0, 0, 1]
 
 
 @pytest.mark.heavy
@@ -209,15 +212,8 @@ def test_a_second_capacity_makes_a_graph_of_any_capacity_for_its_batch_only():
     compiles that batch's graph of any capacity, and leaves 1 row's graph, traced for its one capacity, as it was."""
     torch.manual_seed(0)
     model = TinyGPT(37, 1024, d_model=16, num_heads=2, num_layers=1).eval()
-    graphs = []
-    def count(gm, example_inputs): graphs.append(gm); return gm.forward
-    options = dict(backend=count, fullgraph=True, dynamic=False)
-    made = []
-    for rows, n in ((1, 5), (2, 5), (2, 300), (1, 5), (2, 600), (2, 5)):  # capacities 256, 256, 512, 256, 1024, 256
-        prompt, before = torch.randint(0, 37, (rows, n)), len(graphs)
-        assert torch.equal(generate(model, prompt, 8, compile=options), generate(model, prompt, 8))
-        made.append(len(graphs) - before)
-    assert made == [1, 1, 1, 0, 0, 0]
+    calls = [(1, 5), (2, 5), (2, 300), (1, 5), (2, 600), (2, 5)]  # capacities 256, 256, 512, 256, 1024, 256
+    assert _graphs_per_call(model, calls) == [1, 1, 1, 0, 0, 0]
 
 
 def test_a_module_without_a_cache_still_zeros_a_query_with_no_key():

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 pytest.importorskip('transformers')
-from bench import any_capacity  # noqa: E402
+from bench import any_capacity, decode_reads  # noqa: E402
 from selfattn_nbdev.models import GPT2  # noqa: E402
 
 
@@ -12,7 +12,7 @@ from selfattn_nbdev.models import GPT2  # noqa: E402
 @pytest.mark.no_cover  # coverage's tracer slows torch.compile
 def test_measure_times_a_graph_of_one_capacity_against_one_of_any(monkeypatch):
     from torch._dynamo.utils import counters
-    monkeypatch.setattr(any_capacity, 'STEPS', 3)
+    monkeypatch.setattr(decode_reads, 'STEPS', 3)
     monkeypatch.setattr(any_capacity, 'ROUNDS', 2)
     torch.manual_seed(0)
     model = GPT2(vocab_size=97, context_length=1024, d_model=32, num_heads=4, num_layers=2).eval()
@@ -23,8 +23,8 @@ def test_measure_times_a_graph_of_one_capacity_against_one_of_any(monkeypatch):
     def fixed(ids, caches): return model(ids, caches)
     def any_capacity_step(ids, caches): return model(ids, caches)
     options = dict(fullgraph=True, dynamic=False)
-    steps = dict(fixed=torch.compile(fixed, backend=counting('fixed'), **options),
-                 any=torch.compile(any_capacity_step, backend=counting('any'), **options))
+    steps = dict(fixed=any_capacity.hosted(torch.compile(fixed, backend=counting('fixed'), **options)),
+                 any=any_capacity.hosted(torch.compile(any_capacity_step, backend=counting('any'), **options)))
     torch._dynamo.reset(); counters.clear()
     with torch.no_grad():
         entry = any_capacity.measure(model, steps, 5)
